@@ -1,0 +1,1 @@
+"""agents: reserved for the tuning system (see README)."""

@@ -1,0 +1,161 @@
+"""Configuration: the cache policy (the requirement's keys and defaults) and the engine settings.
+
+Both are pydantic models so that a YAML file, a ``--set KEY=VALUE`` override and a Python call are validated by
+the same rules, and every error names the field and its allowed range.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+from confkv.errors import ConfkvError
+
+#: Controllers the engine knows; ``confkv.controllers`` holds one class per name.
+CONTROLLER_NAMES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic")
+
+
+class CachePolicy(BaseModel):
+    """How much KV history each sequence keeps on the device, and how it is chosen.
+
+    ``base_size``/``max_size`` bound the confidence-driven budget of the ``dynamic`` controller and are the fixed
+    budget (``max_size``) of the baselines. Sizes are in tokens; ``host_cache_memory`` is in bytes (``"2GiB"``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    controller: str = Field("dynamic", description="one of " + ", ".join(CONTROLLER_NAMES))
+    base_size: int = Field(1024, ge=1, description="budget (tokens) the dynamic controller returns to when confident")
+    max_size: int = Field(4096, ge=1, description="the most tokens a sequence may keep on the device")
+    entropy_threshold: float = Field(3.5, ge=0, description="entropy (nats) above which a step counts as uncertain")
+    gap_threshold: float = Field(0.15, ge=0, le=1, description="top-1 minus top-2 probability below which: uncertain")
+    scaling_factor: float = Field(0.8, gt=0, le=1, description="1.0 keeps the budget still; lower moves it faster")
+    min_recent: int = Field(512, ge=0, description="most recent tokens never evicted")
+    sink_tokens: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    compact_interval: int = Field(50, ge=1, description="tokens between budget contractions")
+    host_cache_memory: ByteSize = Field(ByteSize(2 * 1024**3), description="bytes of host memory for evicted blocks")
+    memory_high_watermark: float = Field(0.9, gt=0, le=1, description="pool use that trips the circuit breaker")
+    snapkv_window: int = Field(32, ge=1, description="prompt queries that vote for the tokens snapkv keeps")
+    importance: Literal["attention", "recency"] = Field(
+        "attention", description="how dynamic ranks blocks to evict: attention received, or age"
+    )
+    recompute_tokens: int = Field(1, ge=1, description="trailing tokens recomputed after a recall (dynamic)")
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> CachePolicy:
+        if self.controller not in CONTROLLER_NAMES:
+            raise ValueError(f"controller must be one of {', '.join(CONTROLLER_NAMES)} (got {self.controller!r})")
+        if self.controller != "dynamic":  # the fixed baselines only use max_size
+            return self
+        if self.max_size < self.base_size:
+            raise ValueError(f"max_size ({self.max_size}) must be >= base_size ({self.base_size})")
+        if self.min_recent + self.sink_tokens > self.max_size:
+            raise ValueError(
+                f"min_recent + sink_tokens ({self.min_recent} + {self.sink_tokens}) must be <= max_size "
+                f"({self.max_size}) for the dynamic controller"
+            )
+        return self
+
+    def replace(self, **changes: Any) -> CachePolicy:
+        """A validated copy with some fields changed (``model_copy`` would skip validation)."""
+        return make_policy({**self.model_dump(), **changes})
+
+
+def format_validation_error(err: ValidationError, what: str) -> str:
+    parts = []
+    for e in err.errors():
+        field = ".".join(str(x) for x in e["loc"]) or what
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        if e["type"] == "value_error" or isinstance(got, dict):
+            parts.append(msg if not e["loc"] else f"{field}: {msg}")
+        else:
+            parts.append(f"{field}: {msg} (got {got!r})")
+    return f"invalid {what}: " + "; ".join(parts)
+
+
+def make_policy(values: dict[str, Any]) -> CachePolicy:
+    """Build a policy from plain values, turning validation errors into one readable ``ConfkvError``."""
+    try:
+        return CachePolicy(**values)
+    except ValidationError as err:
+        raise ConfkvError(format_validation_error(err, "cache policy")) from None
+
+
+def load_policy_file(path: str | Path) -> CachePolicy:
+    """Read a YAML file whose top-level ``cache_policy:`` mapping holds the policy's keys."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfkvError(f"policy file not found: {p}")
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise ConfkvError(f"policy file {p} is not valid YAML: {err}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("cache_policy"), dict):
+        raise ConfkvError(f"policy file {p} must hold a mapping under a top-level 'cache_policy:' key")
+    return make_policy(doc["cache_policy"])
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Turn ``["max_size=2048", "scaling_factor=0.9"]`` into typed values (YAML scalars)."""
+    known = set(CachePolicy.model_fields)
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfkvError(f"--set expects KEY=VALUE (got {item!r})")
+        if key not in known:
+            raise ConfkvError(f"unknown policy key {key!r}; known keys: {', '.join(sorted(known))}")
+        try:
+            out[key] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            out[key] = raw
+    return out
+
+
+def resolve_policy(
+    policy: str | CachePolicy | None = None,
+    policy_file: str | Path | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> CachePolicy:
+    """Combine the three ways of naming a policy; later ones win: file, then controller name, then overrides."""
+    if isinstance(policy, CachePolicy):
+        base = policy.model_dump()
+    else:
+        base = load_policy_file(policy_file).model_dump() if policy_file else {}
+        if policy is not None:
+            if policy not in CONTROLLER_NAMES:
+                raise ConfkvError(f"unknown policy {policy!r}; choose one of: {', '.join(CONTROLLER_NAMES)}")
+            base["controller"] = policy
+    if overrides:
+        base.update(parse_overrides(overrides) if isinstance(overrides, list) else overrides)
+    return make_policy(base)
+
+
+class EngineConfig(BaseModel):
+    """Engine-wide settings: the model, where it runs, and how big the KV pool and batches are."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("smollm2-135m", description="'smollm2-135m', 'tiny-random', or a local Hugging Face folder")
+    device: str | None = Field(None, description="torch device; default cuda when available, else cpu")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_cache_memory: ByteSize | None = Field(None, description="bytes for the device KV pool ('1GiB')")
+    kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the pool if unset")
+    max_batch_size: int = Field(32, ge=1, description="most sequences decoded together")
+    max_num_batched_tokens: int = Field(512, ge=16, description="tokens per step (prefill chunks + decodes)")
+    max_model_len: int | None = Field(None, ge=2, description="context limit; default the model's")
+    seed: int = 0
+    cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")
+
+
+def make_engine_config(values: dict[str, Any]) -> EngineConfig:
+    try:
+        return EngineConfig(**values)
+    except ValidationError as err:
+        raise ConfkvError(format_validation_error(err, "engine setting")) from None

@@ -1,0 +1,177 @@
+"""What sets each sequence's KV budget: the confidence rule from the requirement and the fixed baselines.
+
+A controller is pure: ``update(state, signals) -> state`` and nothing else, so it can be unit-tested step by step,
+swapped between engine steps, and (later) replaced by a learned one. The cache manager turns the budget into block
+moves; the class attributes tell it how to rank blocks and which attention to record for that ranking.
+
+The ``dynamic`` rule, exactly. With ``a = 1 - scaling_factor`` and ``B`` the budget in tokens (starting at
+``base_size``), after every computed token:
+
+* the step is *uncertain* when ``entropy > entropy_threshold`` or ``top1 - top2 < gap_threshold``;
+* uncertain: ``B <- B + a * (max_size - B)`` (expand a fraction ``a`` of the way to ``max_size``);
+* confident: ``B <- B - a * (B - base_size)`` (contract a fraction ``a`` of the way back to ``base_size``).
+
+``scaling_factor = 1`` keeps the budget still; the requirement's 0.8 moves it 20% of the remaining way per step.
+Expansion takes effect at once (the cache manager recalls host blocks and the step is recomputed); contraction is
+applied every ``compact_interval`` tokens, so a run of confident tokens does not evict a block per token.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal
+
+from confkv.config import CachePolicy
+
+
+@dataclass(frozen=True)
+class StepSignals:
+    """One sequence's confidence at one step, on the host."""
+
+    entropy: float
+    gap: float
+    top1_prob: float
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """A sequence's controller state; learned controllers may subclass it to carry more."""
+
+    budget: float
+    uncertain: bool = False
+    steps: int = 0
+
+
+class Controller(ABC):
+    """Base class: a fixed budget of ``max_size`` tokens; subclasses set how blocks are ranked."""
+
+    name: ClassVar[str]
+    #: Whether the policy ever removes KV from the device (``full`` does not).
+    evicts: ClassVar[bool] = True
+    #: How evictable blocks are ranked: by position (oldest first) or by the attention they received.
+    importance: ClassVar[Literal["recency", "attention"]] = "recency"
+    #: Which prefill queries' attention is recorded: none, all of them (H2O), or the last ``snapkv_window``.
+    prefill_attention: ClassVar[Literal["none", "all", "window"]] = "none"
+    #: Whether decode-time attention keeps adding to block importance.
+    decode_attention: ClassVar[bool] = False
+    #: Whether expansion brings evicted blocks back from the host tier (and recomputes the step).
+    recalls: ClassVar[bool] = False
+    #: Whether long prompts are trimmed chunk by chunk (bounded peak memory) or only once the prompt is read.
+    evicts_during_prefill: ClassVar[bool] = True
+
+    def __init__(self, policy: CachePolicy) -> None:
+        self.policy = policy
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.policy.sink_tokens
+
+    @property
+    def protected_recent(self) -> int:
+        """Most recent tokens the cache manager may not evict."""
+        return min(self.policy.min_recent, max(0, self.policy.max_size - self.sink_tokens))
+
+    @property
+    def max_budget(self) -> float:
+        return float(self.policy.max_size) if self.evicts else math.inf
+
+    def init_state(self) -> BudgetState:
+        return BudgetState(budget=self.max_budget)
+
+    def is_uncertain(self, s: StepSignals) -> bool:
+        """The requirement's test, recorded for every policy so runs can be compared on the same signals."""
+        return s.entropy > self.policy.entropy_threshold or s.gap < self.policy.gap_threshold
+
+    def update(self, state: BudgetState, s: StepSignals) -> BudgetState:
+        return replace(state, uncertain=self.is_uncertain(s), steps=state.steps + 1)
+
+
+class FullController(Controller):
+    """The reference: every token stays on the device."""
+
+    name = "full"
+    evicts = False
+
+
+class WindowController(Controller):
+    """The last ``max_size`` tokens, no sinks."""
+
+    name = "window"
+
+    @property
+    def sink_tokens(self) -> int:
+        return 0
+
+
+class StreamingController(Controller):
+    """StreamingLLM: ``sink_tokens`` attention sinks plus the most recent tokens, ``max_size`` in all."""
+
+    name = "streaming"
+
+
+class H2OController(Controller):
+    """Heavy hitters by accumulated attention (prefill and decode) plus the ``min_recent`` most recent tokens."""
+
+    name = "h2o"
+    importance = "attention"
+    prefill_attention = "all"
+    decode_attention = True
+
+
+class SnapKVController(Controller):
+    """After prefill keep what the prompt's last ``snapkv_window`` queries attend to, then a sliding window.
+
+    Decode-time attention is not recorded, so generated tokens rank lowest once they leave the recent window:
+    the prefill selection stays and the rest slides.
+    """
+
+    name = "snapkv"
+    importance = "attention"
+    prefill_attention = "window"
+    evicts_during_prefill = False
+
+
+class DynamicController(Controller):
+    """CONF-KV: the budget follows the model's confidence between ``base_size`` and ``max_size``."""
+
+    name = "dynamic"
+    importance = "attention"
+    prefill_attention = "all"
+    decode_attention = True
+    recalls = True
+
+    def __init__(self, policy: CachePolicy) -> None:
+        super().__init__(policy)
+        if policy.importance == "recency":
+            self.importance = "recency"
+            self.prefill_attention = "none"
+            self.decode_attention = False
+
+    @property
+    def protected_recent(self) -> int:
+        return self.policy.min_recent
+
+    def init_state(self) -> BudgetState:
+        return BudgetState(budget=float(self.policy.base_size))
+
+    def update(self, state: BudgetState, s: StepSignals) -> BudgetState:
+        p = self.policy
+        rate = 1.0 - p.scaling_factor
+        uncertain = self.is_uncertain(s)
+        if uncertain:
+            budget = state.budget + rate * (p.max_size - state.budget)
+        else:
+            budget = state.budget - rate * (state.budget - p.base_size)
+        budget = min(float(p.max_size), max(float(p.base_size), budget))
+        return BudgetState(budget=budget, uncertain=uncertain, steps=state.steps + 1)
+
+
+CONTROLLERS: dict[str, type[Controller]] = {
+    c.name: c
+    for c in (FullController, WindowController, StreamingController, H2OController, SnapKVController, DynamicController)
+}
+
+def make_controller(policy: CachePolicy) -> Controller:
+    return CONTROLLERS[policy.controller](policy)

@@ -1,0 +1,115 @@
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from confkv.config import CachePolicy, make_engine_config, resolve_policy
+from confkv.engine.engine import LLMEngine
+from confkv.engine.params import SamplingParams
+from confkv.engine.sequence import RequestOutput
+from confkv.errors import ConfkvError
+from confkv.model_loader import LoadedModel
+
+
+class LLM:
+    """A model plus a KV cache policy, ready to generate.
+
+    ``policy`` is a controller name (``"dynamic"``, ``"full"``, ...) or a ``CachePolicy``; ``policy_file`` a YAML
+    file with a ``cache_policy:`` mapping; any other keyword that names a policy key (``max_size=2048``) overrides
+    it. ``kv_cache_memory`` sizes the device pool in bytes (``"1GiB"``); unset, a quarter of free memory.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        policy: str | CachePolicy | None = None,
+        *,
+        policy_file: str | Path | None = None,
+        kv_cache_memory: int | str | None = None,
+        max_batch_size: int = 32,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+        device: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        cache_dir: str | None = None,
+        loaded: LoadedModel | None = None,
+        **policy_overrides: Any,
+    ) -> None:
+        cache_policy = resolve_policy(policy, policy_file, policy_overrides or None)
+        config = make_engine_config(
+            {
+                "model": model,
+                "device": device,
+                "dtype": dtype,
+                "kv_cache_memory": kv_cache_memory,
+                "max_batch_size": max_batch_size,
+                "max_num_batched_tokens": max_num_batched_tokens,
+                "max_model_len": max_model_len,
+                "seed": seed,
+                "cache_dir": cache_dir,
+            }
+        )
+        self.engine = LLMEngine(config, cache_policy, loaded=loaded)
+        self._batches = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.engine.tokenizer
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self.engine.policy
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not prompts:
+            raise ConfkvError("no prompts given")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ConfkvError(f"{len(params)} sampling parameter sets for {len(prompts)} prompts")
+        engine = self.engine
+        batch = next(self._batches)
+        ids = [f"gen-{batch}-{i}" for i in range(len(prompts))]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                engine.add_request(rid, prompt, p, chat=chat)
+        except ConfkvError:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req") as bar:
+            while len(done) < len(prompts):
+                for out in engine.step():
+                    if out.finished and out.output is not None and out.request_id in ids:
+                        done[out.request_id] = out.output
+                        bar.update(1)
+        return [done[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[str] | str,
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Single-turn chat: each user message goes through the model's chat template."""
+        return self.generate(messages, sampling_params, chat=True, use_tqdm=use_tqdm)

@@ -1,0 +1,33 @@
+"""Per-request sampling parameters, validated the same way for the Python API, the CLI and (later) HTTP."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from confkv.config import format_validation_error
+from confkv.errors import ConfkvError
+
+
+class SamplingParams(BaseModel):
+    """How one request is decoded. ``temperature = 0`` is greedy (the default, as in Hugging Face ``generate``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(16, ge=1, description="tokens to generate at most")
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    seed: int | None = Field(None, description="per-request sampling seed; default derived from the engine seed")
+    stop: list[str] = Field(default_factory=list, description="strings that end the output (not included)")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __init__(self, **data: object) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise ConfkvError(format_validation_error(err, "sampling parameter")) from None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

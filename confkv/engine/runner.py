@@ -1,0 +1,143 @@
+"""Runs one forward pass of the unmodified model over a packed batch of scheduled chunks.
+
+All tokens of all sequences go in one row with their true positions; a ``PackedBatch`` tells the attention
+function where each token's K/V goes and which resident slots each sequence attends over. Only the rows whose
+logits are needed (the last token of sequences that sample) go through the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from confkv.controllers import Controller
+from confkv.engine.scheduler import ScheduledChunk
+from confkv.kv.attention import PackedBatch, PrefillSpan
+from confkv.kv.pool import BlockPool
+
+
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor  # [sampling chunks, vocab], in the order of ``sampling``
+    sampling: list[ScheduledChunk]
+    batch: PackedBatch
+    resident: list[int]  # per chunk: resident tokens (including the chunk's own) during this pass
+    captured: dict[int, int]  # sequence id -> row of ``batch.captured_q[layer]``
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, pool: BlockPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+
+    @torch.inference_mode()
+    def run(
+        self,
+        chunks: list[ScheduledChunk],
+        controller: Controller,
+        *,
+        track: bool = True,
+        capture: set[int] | None = None,
+        all_logits: bool = False,
+    ) -> ForwardResult:
+        """Forward ``chunks`` (decodes, i.e. single tokens, first).
+
+        ``track``: record attention mass for policies that rank blocks by it. ``capture``: sequence ids whose
+        sampling query and log-sum-exp are kept for recall scoring. ``all_logits``: return logits for every
+        token (teacher-forced scoring) instead of one row per sampling chunk.
+        """
+        capture = capture or set()
+        device = self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        resident: list[int] = []
+        decode_keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        decode_track: list[float] = []
+        prefills: list[PrefillSpan] = []
+        sample_rows: list[int] = []
+        sampling: list[ScheduledChunk] = []
+        capture_decode = False
+        prefill_captures: list[int] = []
+
+        for chunk in chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            table = seq.kv.table
+            row = len(ids)
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table.slots(start, start + n))
+            key_slots, key_pos = table.resident_slots(start + n, device)
+            resident.append(int(key_slots.numel()))
+            if chunk.samples:
+                sample_rows.append(row + n - 1)
+                sampling.append(chunk)
+            if n == 1:
+                decode_keys.append((key_slots, key_pos))
+                decode_track.append(1.0 if track and controller.decode_attention else 0.0)
+                capture_decode = capture_decode or seq.seq_id in capture
+            else:
+                if chunk.samples and seq.seq_id in capture:
+                    prefill_captures.append(seq.seq_id)
+                mode = controller.prefill_attention if track else "none"
+                if mode == "window" and start + n < seq.num_prompt_tokens - controller.policy.snapkv_window:
+                    mode = "none"
+                prefills.append(
+                    PrefillSpan(
+                        q_start=row,
+                        q_len=n,
+                        key_slots=key_slots,
+                        key_pos=key_pos,
+                        q_pos=torch.arange(start, start + n, device=device),
+                        fresh=start == 0,
+                        track=mode,
+                        window_start=seq.num_prompt_tokens - controller.policy.snapkv_window,
+                        capture=chunk.samples and seq.seq_id in capture,
+                    )
+                )
+
+        batch = PackedBatch(
+            pool=self.pool,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            prefills=prefills,
+        )
+        if decode_keys:
+            nd = len(decode_keys)
+            width = max(k.numel() for k, _ in decode_keys)
+            key_slots = torch.empty((nd, width), dtype=torch.long, device=device)
+            valid = torch.zeros((nd, width), dtype=torch.bool, device=device)
+            for r, (ks, _) in enumerate(decode_keys):
+                m = ks.numel()
+                key_slots[r, :m] = ks
+                key_slots[r, m:] = ks[-1]  # padding points at a real token; its weight is masked to zero
+                valid[r, :m] = True
+            batch.num_decode = nd
+            batch.decode_slots = key_slots
+            batch.decode_valid = valid
+            batch.capture_decode = capture_decode
+            if any(decode_track):
+                batch.decode_track = torch.tensor(decode_track, device=device)[:, None]
+
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+        keep: int | torch.Tensor = 0 if all_logits else torch.tensor(sample_rows, dtype=torch.long, device=device)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=keep,
+            confkv_batch=batch,
+        )
+        # captured rows: every decode row (when any decode captures), then each capturing prefill span
+        captured: dict[int, int] = {}
+        if capture_decode:
+            captured.update((c.seq.seq_id, r) for r, c in enumerate(chunks[: len(decode_keys)]))
+        offset = len(captured)
+        for r, sid in enumerate(prefill_captures):
+            captured[sid] = offset + r
+        return ForwardResult(
+            logits=out.logits[0], sampling=sampling, batch=batch, resident=resident, captured=captured
+        )

@@ -1,0 +1,171 @@
+"""A request's state inside the engine, and what it reports when done."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from confkv.controllers import BudgetState
+from confkv.engine.params import SamplingParams
+from confkv.kv.manager import SequenceKV
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Trace:
+    """Per generated token: the signals, the resident KV when it was computed, and the budget after it."""
+
+    entropy: list[float] = field(default_factory=list)
+    gap: list[float] = field(default_factory=list)
+    top1_prob: list[float] = field(default_factory=list)
+    resident: list[int] = field(default_factory=list)
+    budget: list[float] = field(default_factory=list)
+    expanded: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv: SequenceKV
+    ctrl: BudgetState
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt then output
+    num_computed: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    trace: Trace = field(default_factory=Trace)
+    preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_computed >= self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+def _summary(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns per prompt (and the engine per finished request)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    kv: dict[str, Any]
+    signals: dict[str, dict[str, float | None]]
+    timing: dict[str, float]
+    trace: Trace
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def to_dict(self, with_trace: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "kv": self.kv,
+            "signals": self.signals,
+            "timing": self.timing,
+        }
+        if with_trace:
+            out["trace"] = asdict(self.trace)
+        return out
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence, bytes_per_block: int) -> RequestOutput:
+        st = seq.kv.stats
+        generated = len(seq.output_token_ids)
+        mean_resident = st.resident_sum / st.resident_count if st.resident_count else 0.0
+        kv = {
+            "peak_resident_tokens": st.peak_resident_tokens,
+            "mean_resident_tokens": mean_resident,
+            "full_tokens": seq.num_prompt_tokens + generated,
+            "peak_device_bytes": st.peak_device_blocks * bytes_per_block,
+            "evicted_blocks": st.evicted_blocks,
+            "recalled_blocks": st.recalled_blocks,
+            "recall_hits": st.recall_hits,
+            "dropped_blocks": st.dropped_blocks,
+            "expansions": st.expansions,
+            "host_peak_bytes": st.host_peak_bytes,
+            "preemptions": seq.preemptions,
+        }
+        t0 = seq.first_scheduled_time or seq.arrival_time
+        t1 = seq.first_token_time or t0
+        t2 = seq.finish_time or t1
+        decode_s = t2 - t1
+        timing = {
+            "queue_s": t0 - seq.arrival_time,
+            "prefill_s": t1 - t0,
+            "decode_s": decode_s,
+            "tokens_per_s": (generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+        }
+        signals = {
+            "entropy": _summary(seq.trace.entropy),
+            "gap": _summary(seq.trace.gap),
+            "top1_prob": _summary(seq.trace.top1_prob),
+        }
+        return cls(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            text=seq.text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            kv=kv,
+            signals=signals,
+            timing=timing,
+            trace=seq.trace,
+        )

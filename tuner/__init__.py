@@ -1,0 +1,1 @@
+"""tuner: reserved for the tuning system (see README)."""
