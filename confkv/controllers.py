@@ -173,5 +173,6 @@ CONTROLLERS: dict[str, type[Controller]] = {
     for c in (FullController, WindowController, StreamingController, H2OController, SnapKVController, DynamicController)
 }
 
+
 def make_controller(policy: CachePolicy) -> Controller:
     return CONTROLLERS[policy.controller](policy)

@@ -118,7 +118,7 @@ def tiny_random_tokenizer() -> PreTrainedTokenizerFast:
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
-    for ch in pre_tokenizers.ByteLevel.alphabet():
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):  # alphabet() is a set: fix the order
         vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv.config import CachePolicy, EngineConfig
 from confkv.confidence import confidence_signals
+from confkv.config import CachePolicy, EngineConfig
 from confkv.controllers import StepSignals, make_controller
 from confkv.engine.params import SamplingParams
 from confkv.engine.runner import ForwardResult, ModelRunner

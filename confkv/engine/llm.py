@@ -59,7 +59,7 @@ class LLM:
         self._batches = itertools.count()
 
     @property
-    def tokenizer(self):  # noqa: ANN201
+    def tokenizer(self):
         return self.engine.tokenizer
 
     @property

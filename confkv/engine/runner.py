@@ -138,6 +138,4 @@ class ModelRunner:
         offset = len(captured)
         for r, sid in enumerate(prefill_captures):
             captured[sid] = offset + r
-        return ForwardResult(
-            logits=out.logits[0], sampling=sampling, batch=batch, resident=resident, captured=captured
-        )
+        return ForwardResult(logits=out.logits[0], sampling=sampling, batch=batch, resident=resident, captured=captured)

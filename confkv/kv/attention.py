@@ -99,8 +99,14 @@ PREFILL_VOTE_STRIDE = 8
 
 
 def _prefill_attention(
-    batch: PackedBatch, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    scaling: float, captures: Captures,
+    batch: PackedBatch,
+    layer: int,
+    span: PrefillSpan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    captures: Captures,
 ) -> torch.Tensor:
     """``q``: ``[heads, n, D]``; ``k``/``v``: the chunk's own ``[kv_heads, n, D]``. Returns ``[n, heads, D]``.
 
@@ -110,15 +116,17 @@ def _prefill_attention(
     pool = batch.pool
     if span.fresh:
         keys, values, key_slots, key_pos = k, v, span.key_slots, span.q_pos
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, scale=scaling,
-                                             enable_gqa=True)[0]
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], is_causal=True, scale=scaling, enable_gqa=True
+        )[0]
     else:
         keys = pool.k[layer][span.key_slots].transpose(0, 1)  # [kvh, L, D]
         values = pool.v[layer][span.key_slots].transpose(0, 1)
         key_slots, key_pos = span.key_slots, span.key_pos
         allowed = key_pos[None, :] <= span.q_pos[:, None]  # [n, L]
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed, scale=scaling,
-                                             enable_gqa=True)[0]
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=allowed, scale=scaling, enable_gqa=True
+        )[0]
     if span.track == "all":
         voters = (span.q_pos % PREFILL_VOTE_STRIDE == PREFILL_VOTE_STRIDE - 1) | (span.q_pos == span.q_pos[-1])
     elif span.track == "window":

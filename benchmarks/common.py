@@ -1,0 +1,77 @@
+"""Shared bits of the benchmark scripts: argument parsing, model loading, and a JSON-line report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from confkv.model_loader import LoadedModel, load_model
+
+#: Eight chat prompts of different lengths, the same for engine and Hugging Face runs.
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short poem about autumn leaves falling in a quiet park.",
+    "Explain how a bicycle stays upright while moving.",
+    "List five fruits and say one fact about each of them.",
+    "Describe the water cycle to a ten-year-old.",
+    "Give me three tips for writing clear emails at work, with an example for each.",
+    "Why do cats purr? Give the main scientific explanations.",
+    "Summarise the plot of a detective story you invent, in a paragraph.",
+]
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def setup(args: argparse.Namespace) -> tuple[torch.device, dict]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    env = {
+        "model": args.model,
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "commit": commit,
+    }
+    return device, env
+
+
+def load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
+    return load_model(args.model, device=device)
+
+
+def chat_ids(loaded: LoadedModel, prompt: str) -> list[int]:
+    ids = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def report(args: argparse.Namespace, result: dict) -> None:
+    if args.json:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        print(f"{key:>32}: {value}")

@@ -1,0 +1,158 @@
+"""``confkv``: the command line.
+
+User mistakes (bad flags, bad policy values, an empty or too long prompt, a model that cannot be found) end with
+one line on stderr and exit status 2; argparse's own usage errors use the same status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from confkv.config import CONTROLLER_NAMES
+from confkv.errors import ConfkvError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=os.environ.get("CONFKV_MODEL", "smollm2-135m"),
+        help="smollm2-135m (default), tiny-random, a local Hugging Face folder or a .gguf file",
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory", default=None, help="device KV pool size, e.g. 512MiB (default: 1/4 of free)")
+    p.add_argument(
+        "--cache-dir", default=None, help="converted-model cache (default: $CONFKV_CACHE or ~/.cache/confkv)"
+    )
+
+
+def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--policy",
+        default=None,
+        help=f"KV cache policy: {', '.join(CONTROLLER_NAMES)} (default: dynamic, or the policy file's controller)",
+    )
+    p.add_argument("--policy-file", default=None, help="YAML file with a top-level cache_policy: mapping")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one policy key (repeatable), e.g. --set max_size=2048",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="confkv", description="LLM inference whose KV cache is sized by the model's own confidence."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine decisions to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a continuation of one prompt and report its KV statistics")
+    _add_model_args(gen)
+    _add_policy_args(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and a summary")
+    return parser
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise ConfkvError(f"cannot read prompt file {args.prompt_file}: {err.strerror}") from None
+
+
+def _summary(out: dict) -> str:
+    kv, t, s = out["kv"], out["timing"], out["signals"]
+    return (
+        f"[{out['prompt_tokens']} prompt + {out['generated_tokens']} generated tokens, finish={out['finish_reason']}] "
+        f"KV resident mean {kv['mean_resident_tokens']:.0f} / peak {kv['peak_resident_tokens']} of "
+        f"{kv['full_tokens']} tokens, {kv['peak_device_bytes'] / 2**20:.2f} MiB peak; "
+        f"evicted {kv['evicted_blocks']} recalled {kv['recalled_blocks']} blocks; "
+        f"entropy mean {s['entropy']['mean']:.2f}; "
+        f"prefill {t['prefill_s']:.2f}s decode {t['decode_s']:.2f}s ({t['tokens_per_s']:.1f} tok/s)"
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from confkv.config import parse_overrides
+    from confkv.engine.llm import LLM
+    from confkv.engine.params import SamplingParams
+
+    prompt = _read_prompt(args)
+    if not prompt.strip():
+        raise ConfkvError("prompt is empty")
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    overrides = parse_overrides(args.overrides)
+    llm = LLM(
+        model=args.model,
+        policy=args.policy,
+        policy_file=args.policy_file,
+        kv_cache_memory=args.kv_cache_memory,
+        max_batch_size=1,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+        **overrides,
+    )
+    out = llm.generate(prompt, params, chat=args.chat)[0].to_dict()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"])
+        print(_summary(out), file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not args.verbose:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    try:
+        return {"generate": cmd_generate}[args.command](args)
+    except ConfkvError as err:
+        print(f"confkv: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Shared fixtures: the tiny random Llama (fast, exact) and, for tests marked slow, the real SmolLM2-135M."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv.model_loader import LoadedModel, load_model
+
+CPU = torch.device("cpu")
+
+
+def fresh_tiny(seed: int = 0) -> LoadedModel:
+    """A new tiny-random model: the engine switches a model's attention to confkv, so each user gets its own."""
+    return load_model("tiny-random", device=CPU, seed=seed)
+
+
+@pytest.fixture
+def tiny() -> LoadedModel:
+    return fresh_tiny()
+
+
+@pytest.fixture(scope="session")
+def tiny_reference() -> LoadedModel:
+    """An untouched tiny-random model (same weights as ``tiny``) for Hugging Face reference outputs."""
+    return fresh_tiny()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> LoadedModel:
+    return load_model("smollm2-135m", device=CPU)
+
+
+@pytest.fixture
+def smollm2() -> LoadedModel:
+    return load_model("smollm2-135m", device=CPU)
+
+
+def hf_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by Hugging Face ``generate`` (the reference every policy is measured against)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = loaded.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=loaded.tokenizer.pad_token_id or 0,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt_ids) :].tolist()

@@ -1,0 +1,85 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from confkv.cli import main
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_json_has_every_field(capsys):
+    code, out, _ = run_cli(
+        capsys, "generate", "--model", "tiny-random", "--policy", "dynamic", "--set", "base_size=32",
+        "--set", "max_size=64", "--set", "min_recent=16", "--prompt", "hello there " * 20, "--max-tokens", "12",
+        "--ignore-eos", "--json",
+    )  # fmt: skip
+    assert code == 0
+    doc = json.loads(out)
+    assert {"text", "token_ids", "prompt_tokens", "generated_tokens", "kv", "signals", "timing"} <= doc.keys()
+    assert len(doc["token_ids"]) == doc["generated_tokens"] == 12
+    assert doc["kv"]["full_tokens"] == doc["prompt_tokens"] + 12
+    for key in ("peak_resident_tokens", "mean_resident_tokens", "peak_device_bytes", "evicted_blocks",
+                "recalled_blocks", "host_peak_bytes"):  # fmt: skip
+        assert key in doc["kv"]
+    assert doc["kv"]["peak_resident_tokens"] <= 64 + 16
+    for sig in ("entropy", "gap", "top1_prob"):
+        assert set(doc["signals"][sig]) == {"mean", "min", "max"}
+    assert {"prefill_s", "decode_s", "tokens_per_s"} <= doc["timing"].keys()
+
+
+def test_policy_file_names_the_controller(capsys, tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("cache_policy:\n  controller: window\n  max_size: 48\n  min_recent: 16\n")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("abc " * 40)
+    code, out, _ = run_cli(
+        capsys, "generate", "--model", "tiny-random", "--policy-file", str(f), "--prompt-file", str(prompt),
+        "--max-tokens", "20", "--ignore-eos", "--json",
+    )  # fmt: skip
+    assert code == 0
+    assert json.loads(out)["kv"]["peak_resident_tokens"] <= 48 + 16
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "x" * 5000], "context"),
+        (["--prompt", "hi", "--policy", "clever"], "unknown policy 'clever'"),
+        (["--prompt", "hi", "--set", "scaling_factor=0"], "scaling_factor"),
+        (["--prompt", "hi", "--set", "base_size=4096", "--set", "max_size=1024"], "max_size (1024) must be >="),
+        (["--prompt", "hi", "--set", "entropy_threshold=-1"], "entropy_threshold"),
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["--prompt-file", "/no/such/file"], "cannot read prompt file"),
+        (["--prompt", "hi", "--set", "nonsense=3"], "unknown policy key"),
+    ],
+)
+def test_bad_input_exits_nonzero_with_a_message(capsys, args, fragment):
+    code, out, err = run_cli(capsys, "generate", "--model", "tiny-random", *args)
+    assert code == 2 and out == ""
+    assert fragment in err and "Traceback" not in err
+
+
+def test_missing_model_and_usage_errors(capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", "/no/such/model", "--prompt", "hi")
+    assert code == 2 and "not found" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", "tiny-random"])  # neither --prompt nor --prompt-file
+    assert exc.value.code == 2
+
+
+def test_console_script_reports_errors_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "confkv.cli", "generate", "--model", "tiny-random", "--prompt", "   "],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "confkv: error: prompt is empty"

@@ -1,0 +1,71 @@
+from pathlib import Path
+
+import pytest
+
+from confkv.config import CachePolicy, load_policy_file, make_policy, parse_overrides, resolve_policy
+from confkv.errors import ConfkvError
+
+
+def test_defaults_are_the_requirements():
+    p = CachePolicy()
+    assert (p.base_size, p.max_size, p.entropy_threshold, p.gap_threshold, p.scaling_factor) == (
+        1024,
+        4096,
+        3.5,
+        0.15,
+        0.8,
+    )
+    assert (p.min_recent, p.sink_tokens, p.block_size, p.compact_interval, p.memory_high_watermark) == (
+        512,
+        4,
+        16,
+        50,
+        0.9,
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "fragment"),
+    [
+        ({"base_size": 2048, "max_size": 1024}, "max_size (1024) must be >= base_size (2048)"),
+        ({"scaling_factor": 0.0}, "scaling_factor"),
+        ({"scaling_factor": 1.5}, "scaling_factor"),
+        ({"entropy_threshold": -1}, "entropy_threshold"),
+        ({"gap_threshold": -0.1}, "gap_threshold"),
+        ({"controller": "nope"}, "controller must be one of"),
+        ({"block_size": 0}, "block_size"),
+        ({"colour": "red"}, "colour"),
+    ],
+)
+def test_invalid_values_name_the_field(values, fragment):
+    with pytest.raises(ConfkvError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        make_policy(values)
+
+
+def test_base_equal_to_max_is_valid():
+    assert make_policy({"base_size": 2048, "max_size": 2048}).base_size == 2048
+
+
+def test_yaml_file_and_overrides(tmp_path: Path):
+    f = tmp_path / "p.yaml"
+    f.write_text("cache_policy:\n  controller: h2o\n  max_size: 777\n  min_recent: 64\n")
+    assert load_policy_file(f).controller == "h2o"
+    p = resolve_policy(None, f, ["max_size=900", "scaling_factor=0.5"])
+    assert (p.controller, p.max_size, p.scaling_factor, p.min_recent) == ("h2o", 900, 0.5, 64)
+    # a controller name given beside the file wins over the file's
+    assert resolve_policy("window", f).controller == "window"
+
+
+def test_bad_files_and_keys(tmp_path: Path):
+    with pytest.raises(ConfkvError, match="not found"):
+        load_policy_file(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_size: 3\n")
+    with pytest.raises(ConfkvError, match="cache_policy"):
+        load_policy_file(bad)
+    with pytest.raises(ConfkvError, match="unknown policy key"):
+        parse_overrides(["nope=1"])
+    with pytest.raises(ConfkvError, match="KEY=VALUE"):
+        parse_overrides(["max_size"])
+    with pytest.raises(ConfkvError, match="unknown policy 'best'"):
+        resolve_policy("best")

@@ -1,0 +1,190 @@
+"""The engine on tiny-random: exactness of ``full``, budget bounds of ``dynamic``, preemption, sampling, stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from confkv import LLM, SamplingParams
+from confkv.errors import ConfkvError
+
+from .conftest import fresh_tiny, hf_greedy
+
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "A longer prompt, which is read in several prefill chunks by the engine. " * 6,
+    "Short one.",
+    "Pack my box with five dozen liquor jugs! " * 10,
+]
+# tiny-random: 2 layers x 2 KV heads x 16 dims x fp32, K and V, 16 tokens per block
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_full_equals_hf_generate_with_continuous_batching(tiny, tiny_reference):
+    llm = LLM("tiny-random", "full", loaded=tiny, max_batch_size=2, max_num_batched_tokens=96, kv_cache_memory="8MiB")
+    outs = llm.generate(PROMPTS, [greedy(n) for n in (30, 12, 25, 40, 18)])
+    for out, n in zip(outs, (30, 12, 25, 40, 18), strict=True):
+        assert out.token_ids == hf_greedy(tiny_reference, out.prompt_token_ids, n)
+        assert out.finish_reason == "length"
+        assert out.kv["evicted_blocks"] == 0
+        assert out.kv["mean_resident_tokens"] == pytest.approx(out.prompt_tokens + (n - 1) / 2)
+        assert out.kv["full_tokens"] == out.prompt_tokens + n
+    assert llm.engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize(("entropy_threshold", "expect_expansion"), [(100.0, False), (0.0, True)])
+def test_dynamic_stays_within_bounds(tiny, entropy_threshold, expect_expansion):
+    base, max_size, recent, sinks, bs = 48, 128, 32, 4, 16
+    llm = LLM(
+        "tiny-random",
+        "dynamic",
+        loaded=tiny,
+        max_num_batched_tokens=64,
+        base_size=base,
+        max_size=max_size,
+        min_recent=recent,
+        sink_tokens=sinks,
+        compact_interval=8,
+        entropy_threshold=entropy_threshold,
+        gap_threshold=0.0,
+        kv_cache_memory="8MiB",
+    )
+    prompt = "Budgets move with confidence; the cache follows the budget. " * 8  # ~490 tokens
+    out = llm.generate(prompt, greedy(120))[0]
+    assert out.kv["peak_resident_tokens"] <= max_size + bs
+    assert out.kv["peak_device_bytes"] <= (max_size // bs + 1) * BLOCK_BYTES
+    assert min(out.trace.resident) >= recent + sinks
+    assert max(out.trace.resident) <= max_size + bs
+    assert out.kv["evicted_blocks"] > 0
+    if expect_expansion:
+        assert out.kv["expansions"] > 0 and out.kv["recalled_blocks"] > 0
+        assert max(out.trace.budget) == pytest.approx(max_size, rel=0.01)
+    else:
+        assert out.kv["expansions"] == 0 and out.kv["recalled_blocks"] == 0
+        assert out.trace.resident[-1] <= base + bs
+
+
+def test_dynamic_without_eviction_pressure_equals_full(tiny, tiny_reference):
+    """With max_size above the sequence length nothing is evicted, so dynamic must be exact too."""
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, base_size=512, max_size=1024, min_recent=128)
+    out = llm.generate(PROMPTS[2], greedy(20))[0]
+    assert out.token_ids == hf_greedy(tiny_reference, out.prompt_token_ids, 20)
+
+
+def test_preemption_keeps_outputs(tiny):
+    """A pool that holds about two of the five requests: all finish, each with the output it gets alone."""
+    alone = LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_memory="8MiB")
+    expected = [o.token_ids for o in alone.generate(PROMPTS, greedy(40))]
+    small = LLM("tiny-random", "full", loaded=tiny, kv_cache_memory=40 * BLOCK_BYTES, max_batch_size=5)
+    outs = small.generate(PROMPTS, greedy(40))
+    assert [o.token_ids for o in outs] == expected
+    assert small.engine.scheduler.preemptions > 0
+    assert small.engine.pool.num_used == 0
+
+
+def test_circuit_breaker_shrinks_to_floor_and_everything_finishes(tiny):
+    """Above the watermark every running sequence drops to sinks + recent; no request is lost."""
+    policy = dict(
+        base_size=64, max_size=256, min_recent=32, sink_tokens=4, entropy_threshold=0.0, memory_high_watermark=0.5
+    )
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, kv_cache_memory=40 * BLOCK_BYTES, max_batch_size=4, **policy)
+    long_prompts = [p * 4 for p in PROMPTS[1:]]
+    outs = llm.generate(long_prompts, greedy(30))
+    assert [len(o.token_ids) for o in outs] == [30] * 4
+    stats = llm.engine.stats()
+    assert stats["breaker_trips"] > 0
+    assert stats["pool_used_blocks"] == 0 and stats["host_used_bytes"] == 0
+    floor = 4 + 32
+    assert min(min(o.trace.resident) for o in outs) <= floor + 16
+
+
+def test_sampling_is_reproducible_by_seed(tiny):
+    llm = LLM("tiny-random", "full", loaded=tiny)
+    p = lambda seed: SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=seed)  # noqa: E731
+    a = llm.generate("Once upon a time", p(1))[0].token_ids
+    b = llm.generate("Once upon a time", p(1))[0].token_ids
+    c = llm.generate("Once upon a time", p(2))[0].token_ids
+    assert a == b and a != c
+
+
+def test_stop_strings_and_stop_tokens(tiny):
+    llm = LLM("tiny-random", "full", loaded=tiny)
+    first = llm.generate("Stop here", greedy(40))[0]
+    stop = first.text[10:13]
+    assert stop and stop not in first.text[:10]
+    cut = llm.generate("Stop here", SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == first.text[:10] and stop not in cut.text
+    tok = first.token_ids[5]
+    by_id = llm.generate("Stop here", SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[tok]))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids[-1] == tok and len(by_id.token_ids) <= 6
+
+
+def test_abort_leaves_other_requests_intact(tiny):
+    llm = LLM("tiny-random", "full", loaded=tiny)
+    expected = llm.generate(PROMPTS[1], greedy(20))[0].token_ids
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[1], greedy(20))
+    engine.add_request("b", PROMPTS[2], greedy(20))
+    for _ in range(3):
+        engine.step()
+    aborted = engine.abort_request("b")
+    assert aborted is not None and aborted.finish_reason == "abort"
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.output
+    assert done["a"].token_ids == expected
+    assert engine.pool.num_used == 0
+
+
+def test_policy_swap_between_steps(tiny):
+    llm = LLM("tiny-random", "full", loaded=tiny)
+    engine = llm.engine
+    engine.add_request("r", PROMPTS[4] * 2, greedy(60))
+    for _ in range(5):
+        engine.step()
+    from confkv.config import CachePolicy
+
+    engine.set_policy(CachePolicy(controller="window", max_size=64, min_recent=32))
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o.output or out
+    assert out is not None and len(out.token_ids) == 60
+    assert out.trace.resident[-1] <= 64 + 16
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "fragment"),
+    [
+        ("", {}, "prompt is empty"),
+        ("   ", {}, "prompt is empty"),
+        ("x" * 5000, {}, "context is 4096"),
+        ("hello", {"max_tokens": 0}, "max_tokens"),
+        ("hello", {"temperature": -1}, "temperature"),
+    ],
+)
+def test_bad_requests_raise_clear_errors(tiny, prompt, params, fragment):
+    llm = LLM("tiny-random", "full", loaded=tiny)
+    with pytest.raises(ConfkvError, match=fragment):
+        llm.generate(prompt, SamplingParams(**params))
+    # the engine stays usable
+    assert len(llm.generate("fine", greedy(3))[0].token_ids) == 3
+
+
+def test_request_larger_than_pool_is_refused(tiny):
+    llm = LLM("tiny-random", "full", loaded=tiny, kv_cache_memory=4 * BLOCK_BYTES)
+    with pytest.raises(ConfkvError, match="KV blocks"):
+        llm.generate("y" * 100, greedy(10))
+
+
+def test_unknown_model_and_policy():
+    with pytest.raises(ConfkvError, match="not found"):
+        LLM("/nonexistent/model")
+    with pytest.raises(ConfkvError, match="unknown policy"):
+        LLM("tiny-random", "magic")

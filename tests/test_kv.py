@@ -1,0 +1,126 @@
+import pytest
+import torch
+
+from confkv.config import CachePolicy
+from confkv.controllers import make_controller
+from confkv.kv.block_table import ON_HOST
+from confkv.kv.host import HostTier
+from confkv.kv.manager import CacheManager
+from confkv.kv.pool import BlockPool
+
+L, KVH, D, BS = 2, 2, 8, 4
+
+
+def make_pool(num_blocks: int = 32, dtype: torch.dtype = torch.float32) -> BlockPool:
+    return BlockPool(
+        num_layers=L, num_kv_heads=KVH, head_dim=D, block_size=BS, num_blocks=num_blocks, dtype=dtype, device="cpu"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_accounting_matches_tensors(dtype):
+    pool = make_pool(10, dtype)
+    assert pool.total_bytes == pool.k.numel() * pool.k.element_size() + pool.v.numel() * pool.v.element_size()
+    assert pool.bytes_per_block * pool.num_blocks == pool.total_bytes
+    a = pool.allocate(3)
+    b = pool.allocate(4)
+    assert len(set(a) | set(b)) == 7 and pool.num_used == 7 and pool.num_free == 3
+    assert pool.used_bytes == pool.k[:, pool.slots_of(a + b)].nbytes * 2
+    pool.free(a)
+    assert pool.num_used == 4 and pool.usage == pytest.approx(0.4)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.allocate(7)
+
+
+def test_pool_read_write_round_trip_and_score_reset():
+    pool = make_pool(8)
+    ids = pool.allocate(2)
+    k = torch.randn(L, 2, BS, KVH, D)
+    v = torch.randn(L, 2, BS, KVH, D)
+    s = torch.rand(2, BS)
+    pool.write_blocks(ids, k, v, s)
+    k2, v2, s2 = pool.read_blocks(ids)
+    assert torch.equal(k, k2) and torch.equal(v, v2) and torch.equal(s, s2)
+    pool.free(ids)
+    again = pool.allocate(8)
+    assert float(pool.score[pool.slots_of(again)].abs().sum()) == 0.0
+
+
+def test_host_tier_lru_bytes_and_drop():
+    host = HostTier(capacity_bytes=3 * (2 * L * BS * KVH * D * 4 + BS * 4))
+    block = lambda n: (torch.randn(L, n, BS, KVH, D), torch.randn(L, n, BS, KVH, D), torch.rand(n, BS))  # noqa: E731
+    assert host.put(0, [1, 2], *block(2)) == []
+    assert host.used_bytes == 2 * host._lru[(0, 1)].nbytes
+    dropped = host.put(1, [5, 6], *block(2))
+    assert dropped == [(0, 1)]  # least recently stored goes first
+    assert host.blocks_of(0) == [2] and host.blocks_of(1) == [5, 6]
+    k, _, _ = host.take(1, [6])
+    assert k.shape == (L, 1, BS, KVH, D) and host.blocks_of(1) == [5]
+    host.drop_sequence(1)
+    assert not host.has_blocks(1) and len(host) == 1
+    assert host.peak_bytes >= host.used_bytes
+
+
+def _manager(policy: CachePolicy, num_blocks: int = 64) -> tuple[CacheManager, BlockPool, HostTier]:
+    pool = make_pool(num_blocks)
+    host = HostTier(1 << 30)
+    return CacheManager(pool, host, make_controller(policy), scaling=D**-0.5), pool, host
+
+
+def _fill(pool: BlockPool, mgr: CacheManager, kv, n_tokens: int) -> None:
+    mgr.reserve(kv, n_tokens)
+    for pos in range(n_tokens):  # token t's keys are all t, so positions can be checked after moves
+        slot = kv.table.slot(pos)
+        pool.k[:, slot] = float(pos)
+        pool.v[:, slot] = -float(pos)
+
+
+def test_eviction_keeps_sinks_and_recent_and_recall_restores_data():
+    policy = CachePolicy(controller="dynamic", base_size=16, max_size=64, min_recent=8, sink_tokens=4)
+    mgr, pool, host = _manager(policy)
+    kv = mgr.open(0, budget=16)
+    _fill(pool, mgr, kv, 40)  # 10 blocks
+    used_before = pool.num_used
+    moved = mgr.evict_to(kv, 16)
+    assert moved == 6 and pool.num_used == used_before - 6
+    assert kv.table.resident_tokens() == 16
+    entries = kv.table.entries
+    assert entries[0] >= 0 and entries[-2] >= 0 and entries[-1] >= 0  # sink block and recent window stay
+    assert host.blocks_of(0) == [i for i, e in enumerate(entries) if e == ON_HOST]
+    # recall with a query aligned to large keys: the latest host blocks (largest values) score highest
+    kv.budget = 24
+    q = torch.ones(L, KVH, 1, D)
+    slots, _ = kv.table.resident_slots(kv.table.num_tokens, torch.device("cpu"))
+    lse = torch.logsumexp(torch.einsum("lkgd,lnkd->lkgn", q, pool.k[:, slots].float()) * D**-0.5, dim=-1)
+    back = mgr.recall(kv, q, lse)
+    assert back == [5, 6]  # host holds blocks 1..6; 5 and 6 have the largest keys
+    assert kv.table.resident_tokens() == 24
+    for i in back:
+        for off in range(BS):
+            pos = i * BS + off
+            assert torch.all(pool.k[:, kv.table.slot(pos)] == pos)
+            assert torch.all(pool.v[:, kv.table.slot(pos)] == -pos)
+    assert kv.stats.evicted_blocks == 6 and kv.stats.recalled_blocks == 2
+    mgr.close(kv)
+    assert pool.num_used == 0 and len(host) == 0
+
+
+def test_attention_ranking_evicts_least_attended():
+    policy = CachePolicy(controller="h2o", max_size=16, min_recent=4, sink_tokens=0)
+    mgr, pool, _ = _manager(policy)
+    kv = mgr.open(0, budget=16)
+    _fill(pool, mgr, kv, 32)
+    for i, mass in enumerate([5, 0, 9, 1, 7, 0.5, 3, 2]):
+        pool.score[pool.slots_of([kv.table.entries[i]])] = mass
+    mgr.evict_to(kv, 16)
+    assert [i for i, e in enumerate(kv.table.entries) if e >= 0] == [0, 2, 4, 7]  # heavy hitters + recent block
+
+
+def test_circuit_breaker_floor():
+    policy = CachePolicy(controller="dynamic", base_size=32, max_size=64, min_recent=8, sink_tokens=4)
+    mgr, pool, _ = _manager(policy)
+    kv = mgr.open(0, budget=64)
+    _fill(pool, mgr, kv, 64)
+    mgr.shrink_to_floor(kv)
+    assert mgr.floor_tokens() == 12
+    assert kv.table.resident_tokens() <= mgr.floor_tokens() + BS
