@@ -70,19 +70,49 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and a summary")
+
+    score = sub.add_parser("score", help="score a text teacher-forced under a policy (perplexity and KV use)")
+    _add_model_args(score)
+    _add_policy_args(score)
+    score.add_argument("--text-file", required=True, help="the text to score ('-' for stdin)")
+    score.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
+    score.add_argument("--context", type=int, default=1, help="tokens read as context before scoring starts")
+    score.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
-def _read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        return args.prompt
-    if args.prompt_file == "-":
+def _read_text(path: str, what: str) -> str:
+    if path == "-":
         return sys.stdin.read()
     try:
-        with open(args.prompt_file, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as err:
-        raise ConfkvError(f"cannot read prompt file {args.prompt_file}: {err.strerror}") from None
+        raise ConfkvError(f"cannot read {what} file {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfkvError(f"{what} file {path} is not UTF-8 text") from None
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    return args.prompt if args.prompt is not None else _read_text(args.prompt_file, "prompt")
+
+
+def _make_llm(args: argparse.Namespace, max_batch_size: int = 1):
+    from confkv.config import parse_overrides
+    from confkv.engine.llm import LLM
+
+    return LLM(
+        model=args.model,
+        policy=args.policy,
+        policy_file=args.policy_file,
+        kv_cache_memory=args.kv_cache_memory,
+        max_batch_size=max_batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        seed=getattr(args, "seed", 0),
+        cache_dir=args.cache_dir,
+        **parse_overrides(args.overrides),
+    )
 
 
 def _summary(out: dict) -> str:
@@ -99,7 +129,6 @@ def _summary(out: dict) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from confkv.config import parse_overrides
-    from confkv.engine.llm import LLM
     from confkv.engine.params import SamplingParams
 
     prompt = _read_prompt(args)
@@ -114,25 +143,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    overrides = parse_overrides(args.overrides)
-    llm = LLM(
-        model=args.model,
-        policy=args.policy,
-        policy_file=args.policy_file,
-        kv_cache_memory=args.kv_cache_memory,
-        max_batch_size=1,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        cache_dir=args.cache_dir,
-        **overrides,
-    )
+    parse_overrides(args.overrides)  # bad keys fail before the model loads
+    llm = _make_llm(args)
     out = llm.generate(prompt, params, chat=args.chat)[0].to_dict()
     if args.json:
         print(json.dumps(out))
     else:
         print(out["text"])
         print(_summary(out), file=sys.stderr)
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from confkv.config import parse_overrides
+    from confkv.scoring import ScoreItem, Scorer
+
+    text = _read_text(args.text_file, "text")
+    if not text.strip():
+        raise ConfkvError("text is empty")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ConfkvError("--max-tokens must be at least 1")
+    if args.context < 1:
+        raise ConfkvError("--context must be at least 1")
+    parse_overrides(args.overrides)
+    llm = _make_llm(args)
+    ids = list(llm.tokenizer(text)["input_ids"])
+    if args.max_tokens is not None:
+        ids = ids[: args.context + args.max_tokens]
+    if len(ids) <= args.context:
+        raise ConfkvError(f"the text has {len(ids)} tokens, not more than --context {args.context}")
+    (result,) = Scorer(llm.engine).score([ScoreItem(ids, args.context)])
+    out = result.to_dict()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        kv = out["kv"]
+        print(
+            f"{out['tokens']} tokens scored: nll {out['nll_mean']:.4f}, ppl {out['ppl']:.3f}; KV resident mean "
+            f"{kv['mean_resident_tokens']:.0f} of {kv['full_tokens']} tokens ({100 * out['kv_fraction']:.1f}% of "
+            f"full), evicted {kv['evicted_blocks']} recalled {kv['recalled_blocks']} blocks"
+        )
     return 0
 
 
@@ -146,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "score": cmd_score}[args.command](args)
     except ConfkvError as err:
         print(f"confkv: error: {err}", file=sys.stderr)
         return 2

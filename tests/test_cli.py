@@ -83,3 +83,35 @@ def test_console_script_reports_errors_without_traceback():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "confkv: error: prompt is empty"
+
+
+def test_score_json(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("Scoring a text teacher-forced under a policy. " * 12)
+    code, out, _ = run_cli(
+        capsys, "score", "--model", "tiny-random", "--policy", "window", "--set", "max_size=128",
+        "--set", "min_recent=64", "--text-file", str(text), "--max-tokens", "300", "--json",
+    )  # fmt: skip
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["tokens"] == 300 and doc["ppl"] > 1
+    assert doc["kv"]["full_tokens"] == 301
+    assert doc["kv"]["mean_resident_tokens"] < 128 + 50 + 16
+    for key in ("peak_resident_tokens", "peak_device_bytes", "evicted_blocks", "recalled_blocks", "host_peak_bytes"):
+        assert key in doc["kv"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--text-file", "/no/file"], "cannot read text file"),
+        (["--text-file", "EMPTY"], "text is empty"),
+        (["--text-file", "SHORT", "--max-tokens", "0"], "--max-tokens"),
+    ],
+)
+def test_score_errors(capsys, tmp_path, args, fragment):
+    (tmp_path / "EMPTY").write_text("  \n")
+    (tmp_path / "SHORT").write_text("abc")
+    args = [str(tmp_path / a) if a in ("EMPTY", "SHORT") else a for a in args]
+    code, _, err = run_cli(capsys, "score", "--model", "tiny-random", *args)
+    assert code == 2 and fragment in err

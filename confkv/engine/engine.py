@@ -114,6 +114,10 @@ class LLMEngine:
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return list(self.tokenizer(prompt)["input_ids"])
 
+    def new_seq_id(self) -> int:
+        """A sequence id unique within this engine (requests and scored items share the cache manager)."""
+        return next(self._ids)
+
     def _check_fits(self, n_prompt: int, params: SamplingParams) -> None:
         bs, c = self.pool.block_size, self.controller
         total = min(n_prompt + params.max_tokens, self.max_model_len)
@@ -158,7 +162,7 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len} tokens"
             )
         self._check_fits(len(token_ids), params)
-        seq_id = next(self._ids)
+        seq_id = self.new_seq_id()
         state = self.controller.init_state()
         generator = None
         if not params.greedy:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -14,6 +14,9 @@ from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import RequestOutput
 from confkv.errors import ConfkvError
 from confkv.model_loader import LoadedModel
+
+if TYPE_CHECKING:
+    from confkv.scoring import ScoreResult
 
 
 class LLM:
@@ -103,6 +106,23 @@ class LLM:
                         done[out.request_id] = out.output
                         bar.update(1)
         return [done[rid] for rid in ids]
+
+    def score(
+        self,
+        texts: list[str] | list[list[int]],
+        score_from: int | list[int] = 1,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[ScoreResult]:
+        """Teacher-forced log-probabilities of each text under this policy (see ``confkv.scoring``)."""
+        from confkv.scoring import ScoreItem, Scorer
+
+        starts = [score_from] * len(texts) if isinstance(score_from, int) else list(score_from)
+        items = []
+        for text, start in zip(texts, starts, strict=True):
+            ids = list(self.engine.tokenizer(text)["input_ids"]) if isinstance(text, str) else [int(t) for t in text]
+            items.append(ScoreItem(ids, start))
+        return Scorer(self.engine).score(items, use_tqdm=use_tqdm)
 
     def chat(
         self,

@@ -25,6 +25,7 @@ class ForwardResult:
     batch: PackedBatch
     resident: list[int]  # per chunk: resident tokens (including the chunk's own) during this pass
     captured: dict[int, int]  # sequence id -> row of ``batch.captured_q[layer]``
+    spans: list[tuple[int, int]]  # per chunk: (first row of ``logits``, number of rows), (.., 0) when none
 
 
 class ModelRunner:
@@ -41,13 +42,13 @@ class ModelRunner:
         *,
         track: bool = True,
         capture: set[int] | None = None,
-        all_logits: bool = False,
+        all_rows: set[int] | frozenset[int] = frozenset(),
     ) -> ForwardResult:
         """Forward ``chunks`` (decodes, i.e. single tokens, first).
 
         ``track``: record attention mass for policies that rank blocks by it. ``capture``: sequence ids whose
         sampling query and log-sum-exp are kept for recall scoring. ``all_logits``: return logits for every
-        token (teacher-forced scoring) instead of one row per sampling chunk.
+        token of these sequences' chunks (teacher-forced scoring), not only the last one of sampling chunks.
         """
         capture = capture or set()
         device = self.device
@@ -59,6 +60,7 @@ class ModelRunner:
         decode_track: list[float] = []
         prefills: list[PrefillSpan] = []
         sample_rows: list[int] = []
+        spans: list[tuple[int, int]] = []
         sampling: list[ScheduledChunk] = []
         capture_decode = False
         prefill_captures: list[int] = []
@@ -72,8 +74,15 @@ class ModelRunner:
             slots.extend(table.slots(start, start + n))
             key_slots, key_pos = table.resident_slots(start + n, device)
             resident.append(int(key_slots.numel()))
-            if chunk.samples:
+            if seq.seq_id in all_rows:
+                spans.append((len(sample_rows), n))
+                sample_rows.extend(range(row, row + n))
+            elif chunk.samples:
+                spans.append((len(sample_rows), 1))
                 sample_rows.append(row + n - 1)
+            else:
+                spans.append((len(sample_rows), 0))
+            if chunk.samples:
                 sampling.append(chunk)
             if n == 1:
                 decode_keys.append((key_slots, key_pos))
@@ -83,7 +92,9 @@ class ModelRunner:
                 if chunk.samples and seq.seq_id in capture:
                     prefill_captures.append(seq.seq_id)
                 mode = controller.prefill_attention if track else "none"
-                if mode == "window" and start + n < seq.num_prompt_tokens - controller.policy.snapkv_window:
+                if start >= seq.num_prompt_tokens:  # a teacher-forced chunk of output: decode-time rules
+                    mode = "all" if track and controller.decode_attention else "none"
+                elif mode == "window" and start + n < seq.num_prompt_tokens - controller.policy.snapkv_window:
                     mode = "none"
                 prefills.append(
                     PrefillSpan(
@@ -123,7 +134,7 @@ class ModelRunner:
 
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-        keep: int | torch.Tensor = 0 if all_logits else torch.tensor(sample_rows, dtype=torch.long, device=device)
+        keep = torch.tensor(sample_rows, dtype=torch.long, device=device)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -138,4 +149,6 @@ class ModelRunner:
         offset = len(captured)
         for r, sid in enumerate(prefill_captures):
             captured[sid] = offset + r
-        return ForwardResult(logits=out.logits[0], sampling=sampling, batch=batch, resident=resident, captured=captured)
+        return ForwardResult(
+            logits=out.logits[0], sampling=sampling, batch=batch, resident=resident, captured=captured, spans=spans
+        )

@@ -78,6 +78,17 @@ def _decode_attention(
     slots = batch.decode_slots
     keys = pool.k[layer][slots]  # [n, L, kvh, D]
     values = pool.v[layer][slots]
+    if batch.decode_track is None and not batch.capture_decode:
+        # nothing to record: one fused kernel, no explicit weights
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=batch.decode_valid[:, None, None, :],
+            scale=scaling,
+            enable_gqa=True,
+        )
+        return out.reshape(q.shape)
     qg = _grouped(q, pool.num_kv_heads)  # [n, kvh, g, D]
     scores = torch.einsum("nkgd,nlkd->nkgl", qg, keys).float() * scaling
     scores.masked_fill_(~batch.decode_valid[:, None, None, :], float("-inf"))

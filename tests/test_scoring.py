@@ -1,0 +1,83 @@
+"""Teacher-forced scoring: exact under ``full``, KL zero against its own reference, bounded under eviction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv import LLM
+from confkv.errors import ConfkvError
+from confkv.scoring import ScoreItem, Scorer, TopK, kl_from_topk
+
+from .conftest import fresh_tiny
+
+
+def hf_logprobs(loaded, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def texts(tokenizer) -> list[list[int]]:
+    return [
+        tokenizer("Teacher forcing reads the reference continuation chunk by chunk. " * k)["input_ids"]
+        for k in (1, 4, 9)
+    ]
+
+
+def test_full_scoring_matches_hf_forward(tiny, tiny_reference):
+    llm = LLM("tiny-random", "full", loaded=tiny, compact_interval=16, max_num_batched_tokens=64)
+    ids = texts(llm.tokenizer)
+    items = [ScoreItem(x, score_from=s) for x, s in zip(ids, (1, 20, 100), strict=True)]
+    results = Scorer(llm.engine).score(items)
+    for x, s, r in zip(ids, (1, 20, 100), results, strict=True):
+        expected = hf_logprobs(tiny_reference, x)[s - 1 :]
+        assert r.num_tokens == len(x) - s
+        torch.testing.assert_close(r.token_logprobs, expected, atol=2e-5, rtol=1e-5)
+        assert r.kv_fraction == pytest.approx(1.0)
+        assert r.kv["evicted_blocks"] == 0
+    assert llm.engine.pool.num_used == 0
+
+
+def test_full_kl_to_own_reference_is_zero(tiny):
+    llm = LLM("tiny-random", "full", loaded=tiny, compact_interval=16)
+    ids = texts(llm.tokenizer)
+    refs = Scorer(llm.engine).score([ScoreItem(x, 5) for x in ids], keep_topk=32)
+    again = Scorer(llm.engine).score([ScoreItem(x, 5, r.topk) for x, r in zip(ids, refs, strict=True)])
+    for r in again:
+        assert r.kl is not None and float(r.kl.abs().max()) < 1e-5
+
+
+def test_evicting_policy_scores_within_budget_and_diverges(tiny):
+    ref_llm = LLM("tiny-random", "full", loaded=fresh_tiny(), compact_interval=16)
+    x = texts(ref_llm.tokenizer)[2]
+    (ref,) = Scorer(ref_llm.engine).score([ScoreItem(x, 40)], keep_topk=32)
+    llm = LLM(
+        "tiny-random", "dynamic", loaded=tiny, base_size=64, max_size=160, min_recent=32, compact_interval=16,
+        entropy_threshold=5.0,
+    )  # fmt: skip
+    (r,) = Scorer(llm.engine).score([ScoreItem(x, 40, ref.topk)])
+    assert r.num_tokens == len(x) - 40
+    assert int(r.resident.max()) <= 160 + 16 + 16  # max_size + a chunk's own tokens + a block
+    assert r.kv_fraction < 0.6
+    assert r.kv["evicted_blocks"] > 0
+    assert r.kl is not None and float(r.kl.mean()) > 1e-4
+    assert r.budget.min() >= 64 and r.budget.max() <= 160
+
+
+def test_kl_from_topk_matches_exact_kl_when_k_is_the_vocab():
+    p = torch.log_softmax(torch.randn(5, 40), -1)
+    q = torch.log_softmax(torch.randn(5, 40), -1)
+    top = p.topk(40)
+    exact = (p.exp() * (p - q)).sum(-1)
+    torch.testing.assert_close(kl_from_topk(TopK(top.indices, top.values), q), exact, atol=1e-5, rtol=1e-4)
+    partial = kl_from_topk(TopK(*reversed(p.topk(8))), q)  # a lower bound from 8 of 40 tokens
+    assert torch.all(partial <= exact + 1e-5)
+
+
+def test_bad_items():
+    with pytest.raises(ConfkvError, match="score_from"):
+        ScoreItem([1, 2, 3], score_from=3)
+    with pytest.raises(ConfkvError, match="two tokens"):
+        ScoreItem([1])
