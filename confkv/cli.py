@@ -78,6 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
     score.add_argument("--context", type=int, default=1, help="tokens read as context before scoring starts")
     score.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser("bench", help="measure policies against the full cache: results.json, report.md, plots")
+    _add_model_args(bench)
+    bench.add_argument("--suite", choices=["quick", "full"], default="quick")
+    bench.add_argument(
+        "--policies",
+        default=",".join(CONTROLLER_NAMES),
+        help="comma-separated built-in policies (default: all); dynamic uses the requirement's defaults scaled",
+    )
+    bench.add_argument("--policy-file", action="append", default=[], help="also measure this YAML policy")
+    bench.add_argument("--out", required=True, help="output folder")
+    bench.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -186,6 +198,35 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from confkv.bench.report import write_report
+    from confkv.bench.suite import run_suite
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in CONTROLLER_NAMES]
+    if unknown:
+        raise ConfkvError(f"unknown policy {unknown[0]!r}; choose from {', '.join(CONTROLLER_NAMES)}")
+    if not policies and not args.policy_file:
+        raise ConfkvError("no policy to measure")
+    for f in args.policy_file:
+        from confkv.config import load_policy_file
+
+        load_policy_file(f)
+    results = run_suite(
+        args.model,
+        args.suite,
+        policies,
+        policy_files=args.policy_file,
+        device=args.device,
+        seed=args.seed,
+        progress=sys.stderr.isatty(),
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    paths = write_report(results, args.out)
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -196,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
     try:
-        return {"generate": cmd_generate, "score": cmd_score}[args.command](args)
+        return {"generate": cmd_generate, "score": cmd_score, "bench": cmd_bench}[args.command](args)
     except ConfkvError as err:
         print(f"confkv: error: {err}", file=sys.stderr)
         return 2
