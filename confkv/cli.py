@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from confkv.config import CONTROLLER_NAMES
+from confkv.config import BUILTIN_POLICIES, CONTROLLER_NAMES
 from confkv.errors import ConfkvError
 
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--suite", choices=["quick", "full"], default="quick")
     bench.add_argument(
         "--policies",
-        default=",".join(CONTROLLER_NAMES),
+        default=",".join(BUILTIN_POLICIES),
         help="comma-separated built-in policies (default: all); dynamic uses the requirement's defaults scaled",
     )
     bench.add_argument("--policy-file", action="append", default=[], help="also measure this YAML policy")
@@ -203,9 +203,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from confkv.bench.suite import run_suite
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in CONTROLLER_NAMES]
+    unknown = [p for p in policies if p not in BUILTIN_POLICIES]
     if unknown:
-        raise ConfkvError(f"unknown policy {unknown[0]!r}; choose from {', '.join(CONTROLLER_NAMES)}")
+        raise ConfkvError(f"unknown policy {unknown[0]!r}; choose from {', '.join(BUILTIN_POLICIES)}")
     if not policies and not args.policy_file:
         raise ConfkvError("no policy to measure")
     for f in args.policy_file:

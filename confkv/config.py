@@ -15,7 +15,9 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, mo
 from confkv.errors import ConfkvError
 
 #: Controllers the engine knows; ``confkv.controllers`` holds one class per name.
-CONTROLLER_NAMES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic")
+CONTROLLER_NAMES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic", "learned")
+#: The built-in policies (``learned`` needs an exported policy folder).
+BUILTIN_POLICIES: tuple[str, ...] = CONTROLLER_NAMES[:-1]
 
 
 class CachePolicy(BaseModel):
@@ -44,12 +46,15 @@ class CachePolicy(BaseModel):
         "attention", description="how dynamic ranks blocks to evict: attention received, or age"
     )
     recompute_tokens: int = Field(1, ge=1, description="trailing tokens recomputed after a recall (dynamic)")
+    learned_path: str | None = Field(None, description="exported policy folder (controller 'learned')")
 
     @model_validator(mode="after")
     def _check_ranges(self) -> CachePolicy:
         if self.controller not in CONTROLLER_NAMES:
             raise ValueError(f"controller must be one of {', '.join(CONTROLLER_NAMES)} (got {self.controller!r})")
-        if self.controller != "dynamic":  # the fixed baselines only use max_size
+        if self.controller == "learned" and not self.learned_path:
+            raise ValueError("controller 'learned' needs learned_path: the folder of an exported policy")
+        if self.controller not in ("dynamic", "learned"):  # the fixed baselines only use max_size
             return self
         if self.max_size < self.base_size:
             raise ValueError(f"max_size ({self.max_size}) must be >= base_size ({self.base_size})")
@@ -87,8 +92,14 @@ def make_policy(values: dict[str, Any]) -> CachePolicy:
 
 
 def load_policy_file(path: str | Path) -> CachePolicy:
-    """Read a YAML file whose top-level ``cache_policy:`` mapping holds the policy's keys."""
+    """Read a YAML file whose top-level ``cache_policy:`` mapping holds the policy's keys.
+
+    A folder (an exported learned policy) is read through its ``policy.yaml``; a relative ``learned_path`` is
+    taken relative to the YAML file, so exported folders can be moved.
+    """
     p = Path(path)
+    if p.is_dir():
+        p = p / "policy.yaml"
     if not p.is_file():
         raise ConfkvError(f"policy file not found: {p}")
     try:
@@ -97,7 +108,11 @@ def load_policy_file(path: str | Path) -> CachePolicy:
         raise ConfkvError(f"policy file {p} is not valid YAML: {err}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("cache_policy"), dict):
         raise ConfkvError(f"policy file {p} must hold a mapping under a top-level 'cache_policy:' key")
-    return make_policy(doc["cache_policy"])
+    values = dict(doc["cache_policy"])
+    learned = values.get("learned_path")
+    if isinstance(learned, str) and not Path(learned).is_absolute():
+        values["learned_path"] = str((p.parent / learned).resolve())
+    return make_policy(values)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

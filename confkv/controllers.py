@@ -28,11 +28,14 @@ from confkv.config import CachePolicy
 
 @dataclass(frozen=True)
 class StepSignals:
-    """One sequence's confidence at one step, on the host."""
+    """One sequence's confidence at one step, on the host, with the context a learned controller observes."""
 
     entropy: float
     gap: float
     top1_prob: float
+    resident: int = 0  # keys the step attended over
+    position: int = 0  # tokens so far (what a full cache would hold)
+    pool_usage: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -175,4 +178,8 @@ CONTROLLERS: dict[str, type[Controller]] = {
 
 
 def make_controller(policy: CachePolicy) -> Controller:
+    if policy.controller == "learned":
+        from confkv.learned import LearnedController
+
+        return LearnedController(policy)
     return CONTROLLERS[policy.controller](policy)

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from confkv.confidence import confidence_signals
-from confkv.controllers import StepSignals
+from confkv.controllers import Controller, StepSignals
 from confkv.engine.engine import LLMEngine
 from confkv.engine.params import SamplingParams
 from confkv.engine.scheduler import ScheduledChunk
@@ -86,6 +86,7 @@ class ScoreResult:
     budget: torch.Tensor  # the controller's budget after the token
     chunk_resident: list[int]
     kv: dict[str, Any]
+    greedy_match: torch.Tensor | None = None  # whether the token was the policy's top-1 choice
     kl: torch.Tensor | None = None
     topk: TopK | None = None
 
@@ -118,17 +119,27 @@ class ScoreResult:
 
 
 @dataclass
-class _State:
+class ItemState:
+    """One item in flight: its sequence, the controller that sets its budget, and what it has scored so far.
+
+    ``last`` holds the rows of the most recent chunk (the segment an RL step observes); ``controller`` may be
+    replaced between steps, which is how an agent changes the knobs of one sequence.
+    """
+
     index: int
     item: ScoreItem
     seq: Sequence
+    controller: Controller
     rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    last: dict[str, torch.Tensor] = field(default_factory=dict)
     chunk_resident: list[int] = field(default_factory=list)
     budgets: list[float] = field(default_factory=list)
+    done: bool = False
 
     def add(self, **tensors: torch.Tensor) -> None:
         for key, value in tensors.items():
             self.rows.setdefault(key, []).append(value)
+            self.last[key] = value
 
 
 class Scorer:
@@ -153,47 +164,37 @@ class Scorer:
             peak = max(peak, prompt + bs)
         return min(full, -(-peak // bs) + 2)
 
-    @torch.inference_mode()
+    def check(self, item: ScoreItem) -> None:
+        e = self.engine
+        if len(item.token_ids) > e.max_model_len:
+            raise ConfkvError(f"a scored text has {len(item.token_ids)} tokens; the context is {e.max_model_len}")
+        if self._worst_blocks(item) > e.pool.num_blocks:
+            raise ConfkvError("a scored text does not fit in the KV pool; raise kv_cache_memory")
+
+    def session(self, keep_topk: int = 0) -> ScoringSession:
+        if self.engine.has_unfinished_requests():
+            raise ConfkvError("scoring needs an idle engine (requests are running)")
+        return ScoringSession(self, keep_topk)
+
     def score(self, items: list[ScoreItem], *, keep_topk: int = 0, use_tqdm: bool = False) -> list[ScoreResult]:
         """Score every item; ``keep_topk > 0`` also returns that many top log-probs per token (a reference)."""
-        e = self.engine
-        if e.has_unfinished_requests():
-            raise ConfkvError("scoring needs an idle engine (requests are running)")
         for item in items:
-            if len(item.token_ids) > e.max_model_len:
-                raise ConfkvError(f"a scored text has {len(item.token_ids)} tokens; the context is {e.max_model_len}")
-            if self._worst_blocks(item) > e.pool.num_blocks:
-                raise ConfkvError("a scored text does not fit in the KV pool; raise kv_cache_memory")
-        results: list[ScoreResult | None] = [None] * len(items)
-        pending = deque(range(len(items)))
-        active: list[_State] = []
-        reserved = 0
-        bar = tqdm(total=sum(len(it.token_ids) for it in items), disable=not use_tqdm, desc="score", unit="tok")
-        try:
-            while pending or active:
-                while pending and len(active) < e.config.max_batch_size:
-                    need = self._worst_blocks(items[pending[0]])
-                    if active and reserved + need > e.pool.num_blocks:
-                        break
-                    active.append(self._open(pending.popleft(), items))
-                    reserved += need
-                done = self._step(active, keep_topk)
-                for st in done:
-                    active.remove(st)
-                    reserved -= self._worst_blocks(st.item)
-                    results[st.index] = self._finish(st, keep_topk)
-                    bar.update(len(st.item.token_ids))
-        finally:
-            bar.close()
-            for st in active:
-                e.manager.close(st.seq.kv)
-        return [r for r in results if r is not None]
+            self.check(item)
+        with self.session(keep_topk) as session:
+            indices = [session.add(item) for item in items]
+            bar = tqdm(total=sum(len(it.token_ids) for it in items), disable=not use_tqdm, desc="score", unit="tok")
+            with bar:
+                while not session.finished:
+                    for st in session.step():
+                        if st.done:
+                            bar.update(len(st.item.token_ids))
+            return [session.result(i) for i in indices]
 
-    def _open(self, index: int, items: list[ScoreItem]) -> _State:
+    def _open(self, index: int, item: ScoreItem, controller: Controller | None) -> ItemState:
         e = self.engine
-        item = items[index]
+        controller = controller or e.controller
         seq_id = e.new_seq_id()
-        state = e.controller.init_state()
+        state = controller.init_state()
         prompt = list(item.token_ids[: item.score_from])
         seq = Sequence(
             seq_id=seq_id,
@@ -205,13 +206,14 @@ class Scorer:
             ctrl=state,
             status=Status.RUNNING,
         )
-        return _State(index=index, item=item, seq=seq)
+        return ItemState(index=index, item=item, seq=seq, controller=controller)
 
-    def _step(self, active: list[_State], keep_topk: int) -> list[_State]:
+    def _step(self, active: list[ItemState], keep_topk: int) -> list[ItemState]:
+        """One forward pass over every active item; returns the items that scored rows (``done`` when finished)."""
         e, c, manager = self.engine, self.engine.controller, self.engine.manager
         tokens_left = e.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        owners: list[_State] = []
+        owners: list[ItemState] = []
         continuation: set[int] = set()
         for st in active:
             seq = st.seq
@@ -238,7 +240,7 @@ class Scorer:
         signals = confidence_signals(res.logits) if res.logits.shape[0] else None
         host = signals.stacked().cpu() if signals is not None else None
 
-        done: list[_State] = []
+        reported: list[ItemState] = []
         for ch, st, resident, (row0, count) in zip(chunks, owners, res.resident, res.spans, strict=True):
             seq, kv = ch.seq, ch.seq.kv
             seq.num_computed += ch.num_tokens
@@ -251,6 +253,7 @@ class Scorer:
             first_pos = ch.start + ch.num_tokens - count  # position of the first row with logits
             targets = torch.tensor(st.item.token_ids[first_pos + 1 : first_pos + 1 + count], device=res.logits.device)
             lp = signals.logprobs[rows]
+            st.last = {}
             keys = torch.arange(resident - count + 1, resident + 1)
             st.add(
                 token_logprobs=lp.gather(-1, targets[:, None])[:, 0].cpu(),
@@ -259,6 +262,7 @@ class Scorer:
                 top1_prob=host[2, rows],
                 resident=keys,
                 full=torch.arange(first_pos + 1, first_pos + count + 1),
+                greedy_match=(signals.top1_id[rows] == targets).cpu(),
             )
             ref = st.item.reference
             if ref is not None:
@@ -272,18 +276,22 @@ class Scorer:
             self._control(res, st, host[:, rows])
             kv.stats.resident_sum += int(keys.sum())
             kv.stats.resident_count += count
+            reported.append(st)
             if seq.num_computed >= len(st.item.token_ids) - 1:
-                done.append(st)
+                st.done = True
             else:
                 manager.after_step(kv, seq.ctrl.budget, ch.num_tokens, True)
-        return done
+        return reported
 
-    def _control(self, res: Any, st: _State, signals: torch.Tensor) -> None:
-        """Feed every token's signals to the controller in order; expand (with recall) at the chunk's end."""
-        e, c, seq = self.engine, self.engine.controller, st.seq
+    def _control(self, res: Any, st: ItemState, signals: torch.Tensor) -> None:
+        """Feed every token's signals to the item's controller in order; expand (with recall) at the chunk's end."""
+        e, c, seq = self.engine, st.controller, st.seq
         state = seq.ctrl
-        for ent, gap, top1 in signals.t().tolist():
-            state = c.update(state, StepSignals(ent, gap, top1))
+        keys = st.last["resident"].tolist()
+        positions = st.last["full"].tolist()
+        usage = e.pool.usage
+        for (ent, gap, top1), resident, position in zip(signals.t().tolist(), keys, positions, strict=True):
+            state = c.update(state, StepSignals(ent, gap, top1, resident, position, usage))
             st.budgets.append(state.budget if c.evicts else math.inf)
         kv = seq.kv
         if state.budget > kv.budget:
@@ -296,7 +304,7 @@ class Scorer:
                 e.manager.recall(kv, q, lse)
         seq.ctrl = state
 
-    def _finish(self, st: _State, keep_topk: int) -> ScoreResult:
+    def _finish(self, st: ItemState, keep_topk: int) -> ScoreResult:
         e, seq = self.engine, st.seq
         st_kv = seq.kv.stats
         cat = {k: torch.cat(v) for k, v in st.rows.items()}
@@ -324,6 +332,78 @@ class Scorer:
             budget=torch.tensor(st.budgets[:n]),
             chunk_resident=st.chunk_resident,
             kv=kv,
+            greedy_match=cat["greedy_match"],
             kl=cat.get("kl"),
             topk=TopK(cat["topk_ids"], cat["topk_logprobs"]) if keep_topk else None,
         )
+
+
+class ScoringSession:
+    """Items scored chunk by chunk, added at any time: ``Scorer.score`` runs one to the end, an RL environment
+    steps one and changes an item's controller between steps.
+
+    Admission reserves each item's worst-case blocks, so a step never has to preempt; items that do not fit yet
+    wait in order.
+    """
+
+    def __init__(self, scorer: Scorer, keep_topk: int = 0) -> None:
+        self.scorer = scorer
+        self.keep_topk = keep_topk
+        self._items: list[ScoreItem] = []
+        self._controllers: list[Controller | None] = []
+        self._pending: deque[int] = deque()
+        self.active: list[ItemState] = []
+        self._results: dict[int, ScoreResult] = {}
+        self._reserved = 0
+
+    def __enter__(self) -> ScoringSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add(self, item: ScoreItem, controller: Controller | None = None) -> int:
+        self.scorer.check(item)
+        self._items.append(item)
+        self._controllers.append(controller)
+        self._pending.append(len(self._items) - 1)
+        return len(self._items) - 1
+
+    @property
+    def finished(self) -> bool:
+        return not self._pending and not self.active
+
+    def state(self, index: int) -> ItemState | None:
+        return next((st for st in self.active if st.index == index), None)
+
+    def result(self, index: int) -> ScoreResult:
+        return self._results[index]
+
+    @torch.inference_mode()
+    def step(self) -> list[ItemState]:
+        """Admit what fits, run one forward pass, finish completed items; returns the items that scored rows."""
+        scorer, e = self.scorer, self.scorer.engine
+        while self._pending and len(self.active) < e.config.max_batch_size:
+            i = self._pending[0]
+            need = scorer._worst_blocks(self._items[i])
+            if self.active and self._reserved + need > e.pool.num_blocks:
+                break
+            self._pending.popleft()
+            self.active.append(scorer._open(i, self._items[i], self._controllers[i]))
+            self._reserved += need
+        if not self.active:
+            return []
+        reported = scorer._step(self.active, self.keep_topk)
+        for st in reported:
+            if st.done:
+                self.active.remove(st)
+                self._reserved -= scorer._worst_blocks(st.item)
+                self._results[st.index] = scorer._finish(st, self.keep_topk)
+        return reported
+
+    def close(self) -> None:
+        """Free the blocks of items still in flight (an abandoned episode must not leak the pool)."""
+        for st in self.active:
+            self.scorer.engine.manager.close(st.seq.kv)
+        self.active.clear()
+        self._pending.clear()

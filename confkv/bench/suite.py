@@ -31,7 +31,7 @@ import torch
 from confkv.bench.reference import Reference, ReferenceStore, build_references
 from confkv.bench.textmetrics import bleu4, rouge_l
 from confkv.bench.workloads import WorkloadItem, make_workload
-from confkv.config import CONTROLLER_NAMES, CachePolicy, load_policy_file
+from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
 from confkv.engine.llm import LLM
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
@@ -58,12 +58,12 @@ SUITES: dict[str, SuiteSpec] = {
     "quick": SuiteSpec(
         scale=0.125,
         passkey={"n": 1, "lengths": (1024,), "depths": (0.1, 0.5, 0.9)},
-        multikey={"n": 2, "length": 1024, "num_pairs": 6},
+        multikey={"n": 2, "length": 768, "num_pairs": 4},
         prose={"n": 2, "length": 1024},
-        longgen={"n": 2, "max_tokens": 256},
+        longgen={"n": 2, "max_tokens": 384},
         chat={"n": 2, "turns": 3, "max_tokens": 96},
-        free_tokens=96,
-        batch={"requests": 8, "max_batch_size": 8, "prompt_tokens": 448, "max_tokens": 48},
+        free_tokens=320,
+        batch={"requests": 6, "max_batch_size": 6, "prompt_tokens": 448, "max_tokens": 32},
     ),
     "full": SuiteSpec(
         scale=0.5,
@@ -303,8 +303,8 @@ class Evaluator:
 def _policy_list(names: list[str], policy_files: list[str]) -> list[tuple[str, CachePolicy | None]]:
     out: list[tuple[str, CachePolicy | None]] = []
     for name in names:
-        if name not in CONTROLLER_NAMES:
-            raise ConfkvError(f"unknown policy {name!r}; choose from {', '.join(CONTROLLER_NAMES)}")
+        if name not in BUILTIN_POLICIES:
+            raise ConfkvError(f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)}")
         out.append((name, None))
     for f in policy_files:
         out.append((Path(f).stem, load_policy_file(f)))

@@ -239,7 +239,14 @@ class LLMEngine:
         rerun: list[int] = []
         for i, ch in enumerate(sampling):
             seq = ch.seq
-            s = StepSignals(host_signals[0][i], host_signals[1][i], host_signals[2][i])
+            s = StepSignals(
+                host_signals[0][i],
+                host_signals[1][i],
+                host_signals[2][i],
+                resident=resident[i],
+                position=len(seq.token_ids),
+                pool_usage=self.pool.usage,
+            )
             state = c.update(seq.ctrl, s)
             if state.budget > seq.kv.budget:
                 seq.kv.stats.expansions += 1
