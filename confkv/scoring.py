@@ -211,17 +211,16 @@ class Scorer:
     def _step(self, active: list[ItemState], keep_topk: int) -> list[ItemState]:
         """One forward pass over every active item; returns the items that scored rows (``done`` when finished)."""
         e, c, manager = self.engine, self.engine.controller, self.engine.manager
-        tokens_left = e.config.max_num_batched_tokens
+        # each prompt is read in chunks of max_num_batched_tokens, whatever else runs: chunk boundaries decide
+        # which queries vote for importance, so the same item is scored the same alone or in any batch
+        prompt_chunk = e.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         owners: list[ItemState] = []
         continuation: set[int] = set()
         for st in active:
             seq = st.seq
             if not seq.prompt_done:
-                if tokens_left <= 0:
-                    continue
-                n = min(seq.num_uncomputed, tokens_left, manager.max_chunk(seq.kv))
-                tokens_left -= n
+                n = min(seq.num_uncomputed, prompt_chunk, manager.max_chunk(seq.kv))
             else:
                 end = min(len(seq.token_ids) + self._chunk(), len(st.item.token_ids) - 1)
                 seq.token_ids.extend(st.item.token_ids[len(seq.token_ids) : end])
@@ -380,8 +379,11 @@ class ScoringSession:
         return self._results[index]
 
     @torch.inference_mode()
-    def step(self) -> list[ItemState]:
-        """Admit what fits, run one forward pass, finish completed items; returns the items that scored rows."""
+    def step(self, only: set[int] | None = None) -> list[ItemState]:
+        """Admit what fits, run one forward pass, finish completed items; returns the items that scored rows.
+
+        ``only``: advance just these items (the others wait), as an environment resetting one slot needs.
+        """
         scorer, e = self.scorer, self.scorer.engine
         while self._pending and len(self.active) < e.config.max_batch_size:
             i = self._pending[0]
@@ -393,7 +395,10 @@ class ScoringSession:
             self._reserved += need
         if not self.active:
             return []
-        reported = scorer._step(self.active, self.keep_topk)
+        running = self.active if only is None else [st for st in self.active if st.index in only]
+        if not running:
+            return []
+        reported = scorer._step(running, self.keep_topk)
         for st in reported:
             if st.done:
                 self.active.remove(st)

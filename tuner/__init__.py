@@ -1,1 +1,1 @@
-"""tuner: reserved for the tuning system (see README)."""
+"""Policy search and experiment tracking: Optuna studies over the dynamic knobs, MLflow runs, ``confkv-tune``."""

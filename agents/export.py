@@ -1,0 +1,45 @@
+"""Export a trained stable-baselines3 agent to confkv's torch-only learned-policy folder.
+
+The deterministic action of PPO is its action head applied to the policy branch of the MLP extractor; SAC's is
+``tanh`` of its mean head over the actor's latent network. Both are plain linear layers with activations, which
+``confkv.learned.MLPPolicy`` stores as safetensors plus a JSON description and runs inside the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from stable_baselines3 import PPO, SAC
+from stable_baselines3.common.base_class import BaseAlgorithm
+
+from confkv.config import CachePolicy
+from confkv.learned import MLPPolicy
+
+
+def _linear_stack(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    layers: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            layers.append((m.weight.detach().clone(), m.bias.detach().clone(), "none"))
+        elif layers and isinstance(m, (torch.nn.Tanh, torch.nn.ReLU)):
+            w, b, _ = layers[-1]
+            layers[-1] = (w, b, "tanh" if isinstance(m, torch.nn.Tanh) else "relu")
+    return layers
+
+
+def to_mlp(model: BaseAlgorithm, action: str) -> MLPPolicy:
+    if isinstance(model, PPO):
+        layers = _linear_stack(model.policy.mlp_extractor.policy_net) + _linear_stack(model.policy.action_net)
+        return MLPPolicy(layers, action, {"algo": "ppo"})
+    if isinstance(model, SAC):
+        layers = _linear_stack(model.actor.latent_pi) + _linear_stack(model.actor.mu)
+        return MLPPolicy(layers, action, {"algo": "sac", "squash": "tanh"})
+    raise ValueError(f"cannot export {type(model).__name__}")
+
+
+def export_sb3(
+    model: BaseAlgorithm, action: str, out: str | Path, base_policy: CachePolicy, extra: dict[str, Any] | None = None
+) -> Path:
+    return to_mlp(model, action).save(out, base_policy, extra)

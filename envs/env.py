@@ -1,0 +1,268 @@
+"""A gymnasium environment over the engine: one episode is one workload item, one step one segment.
+
+A step applies the agent's action (the dynamic rule's knobs, or a direct budget change; see ``confkv.learned``)
+to the sequence's controller, scores the next ``compact_interval`` tokens teacher-forced (eviction and recall
+between segments as in decoding), and returns
+
+    reward = memory_weight * (1 - resident fraction of the segment) - quality_weight * (mean KL to full)
+
+plus, on the last step of a pass-key episode, ``task_weight`` if every key token was the policy's top-1 choice.
+``ConfKVVecEnv`` runs N episodes as one engine batch (one forward pass per step for all of them) and is what
+stable-baselines3 trains on; ``ConfKVEnv`` is the single-episode form the checkers validate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium import spaces
+from stable_baselines3.common.vec_env import VecEnv
+
+from confkv.config import CachePolicy
+from confkv.controllers import DynamicController, StepSignals
+from confkv.learned import OBS_DIM, apply_budget_action, knobs_from_action, segment_observation
+from confkv.scoring import ItemState, Scorer, ScoringSession
+from envs.episodes import Episode, TuneData
+
+ACTIONS = ("knobs", "budget")
+
+
+@dataclass(frozen=True)
+class RewardWeights:
+    memory_weight: float = 1.0
+    quality_weight: float = 10.0
+    task_weight: float = 1.0
+
+
+def observation_space() -> spaces.Box:
+    return spaces.Box(0.0, 1.0, (OBS_DIM,), dtype=np.float32)
+
+
+def action_space(action: str) -> spaces.Space:
+    if action == "knobs":
+        return spaces.Box(-1.0, 1.0, (3,), dtype=np.float32)
+    if action == "budget":
+        return spaces.Discrete(3)
+    raise ValueError(f"action must be one of {ACTIONS} (got {action!r})")
+
+
+def segment_signals(st: ItemState, pool_usage: float) -> list[StepSignals]:
+    last = st.last
+    return [
+        StepSignals(e, g, t, r, p, pool_usage)
+        for e, g, t, r, p in zip(
+            last["entropy"].tolist(),
+            last["gap"].tolist(),
+            last["top1_prob"].tolist(),
+            last["resident"].tolist(),
+            last["full"].tolist(),
+            strict=True,
+        )
+    ]
+
+
+def observe(st: ItemState, base: CachePolicy, pool_usage: float) -> np.ndarray:
+    return segment_observation(segment_signals(st, pool_usage), st.seq.ctrl.budget, base)
+
+
+def apply_action(st: ItemState, action: Any, base: CachePolicy, kind: str) -> dict[str, float]:
+    """Set the item's controller for its next segment; returns the knobs (or budget) applied."""
+    if kind == "knobs":
+        knobs = knobs_from_action(action)
+        st.controller = DynamicController(base.replace(**knobs))
+        return knobs
+    budget = apply_budget_action(st.seq.ctrl.budget, int(np.asarray(action).reshape(-1)[0]), base)
+    st.controller = DynamicController(base.replace(scaling_factor=1.0))
+    st.seq.ctrl = replace(st.seq.ctrl, budget=budget)
+    return {"budget": budget}
+
+
+def segment_reward(st: ItemState, episode: Episode, weights: RewardWeights) -> tuple[float, dict[str, float]]:
+    last = st.last
+    fraction = float((last["resident"].float() / last["full"].float()).mean())
+    kl = float(last["kl"].mean()) if "kl" in last else 0.0
+    reward = weights.memory_weight * (1.0 - fraction) - weights.quality_weight * kl
+    info = {"kv_fraction": fraction, "kl": kl, "nll": float(-last["token_logprobs"].mean())}
+    if st.done and episode.task is not None:
+        a, b = episode.task
+        matches = st.rows["greedy_match"]
+        correct = bool(torch.cat(matches)[a:b].all())
+        reward += weights.task_weight * float(correct)
+        info["task_correct"] = float(correct)
+    return reward, info
+
+
+class _Slots:
+    """Episodes in flight on one scoring session, one per slot."""
+
+    def __init__(self, data: TuneData, n: int, kind: str, weights: RewardWeights) -> None:
+        self.data = data
+        self.kind = kind
+        self.weights = weights
+        self.llm = data.llm(max_batch_size=max(n, 1))
+        self.engine = self.llm.engine
+        self.session: ScoringSession = Scorer(self.engine).session()
+        self.index: list[int | None] = [None] * n
+        self.episode: list[Episode | None] = [None] * n
+        self.totals: list[dict[str, float]] = [{} for _ in range(n)]
+
+    def start(self, slot: int, episode: Episode) -> np.ndarray:
+        """Begin ``episode`` in ``slot``: read its prompt and first token alone; returns the first observation."""
+        base = self.data.base_policy
+        idx = self.session.add(episode.item, DynamicController(base))
+        self.index[slot], self.episode[slot] = idx, episode
+        self.totals[slot] = {"reward": 0.0, "kv_fraction": 0.0, "kl": 0.0, "steps": 0.0}
+        st = None
+        while st is None or not st.last:
+            self.session.step(only={idx})
+            st = self.session.state(idx)
+            if st is None:  # a one-token episode finished while being read
+                raise RuntimeError("episode too short to observe")
+        return observe(st, base, self.engine.pool.usage)
+
+    def advance(self, actions: list[Any]) -> list[tuple[np.ndarray, float, bool, dict[str, Any]]]:
+        return self.advance_some(list(range(len(actions))), actions)
+
+    def advance_some(
+        self, slots: list[int], actions: list[Any]
+    ) -> list[tuple[np.ndarray, float, bool, dict[str, Any]]]:
+        """Apply each slot's action, score one more segment of those slots together, return what each saw."""
+        base = self.data.base_policy
+        states = {slot: self.session.state(self.index[slot]) for slot in slots}  # type: ignore[arg-type]
+        applied = {}
+        for slot, action in zip(slots, actions, strict=True):
+            st = states[slot]
+            assert st is not None, "slot has no running episode"
+            applied[slot] = apply_action(st, action, base, self.kind)
+        self.session.step(only={st.index for st in states.values() if st is not None})
+        out = []
+        usage = self.engine.pool.usage
+        for slot in slots:
+            st, episode = states[slot], self.episode[slot]
+            assert st is not None and episode is not None
+            reward, info = segment_reward(st, episode, self.weights)
+            info["action"] = applied[slot]
+            tot = self.totals[slot]
+            tot["reward"] += reward
+            tot["kv_fraction"] += info["kv_fraction"]
+            tot["kl"] += info["kl"]
+            tot["steps"] += 1
+            if st.done:
+                # "episode" in stable-baselines3's Monitor format, "summary" with the memory and quality figures
+                info["episode"] = {"r": tot["reward"], "l": int(tot["steps"]), "t": 0.0}
+                info["summary"] = {
+                    "item": episode.item_id,
+                    "workload": episode.workload,
+                    "reward": tot["reward"],
+                    "kv_fraction": tot["kv_fraction"] / tot["steps"],
+                    "kl": tot["kl"] / tot["steps"],
+                    **({"task_correct": info["task_correct"]} if "task_correct" in info else {}),
+                }
+            out.append((observe(st, base, usage), reward, st.done, info))
+        return out
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class ConfKVEnv(gym.Env):
+    """One episode at a time; ``reset(options={"episode": i})`` picks an episode, else a seeded random one."""
+
+    metadata = {"render_modes": []}  # noqa: RUF012
+
+    def __init__(self, data: TuneData, action: str = "knobs", weights: RewardWeights | None = None) -> None:
+        super().__init__()
+        self.data = data
+        self.observation_space = observation_space()
+        self.action_space = action_space(action)
+        self._slots = _Slots(data, 1, action, weights or RewardWeights())
+        self._live = False
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        if self._live:
+            self._slots.close()
+            self._slots.session = Scorer(self._slots.engine).session()
+        i = (options or {}).get("episode")
+        if i is None:
+            i = int(self.np_random.integers(len(self.data.episodes)))
+        obs = self._slots.start(0, self.data.episodes[i])
+        self._live = True
+        return obs, {"episode_index": i, "item": self.data.episodes[i].item_id}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if not self._live:
+            raise RuntimeError("call reset() first")
+        ((obs, reward, done, info),) = self._slots.advance([action])
+        if done:
+            self._live = False
+        return obs, float(reward), done, False, info
+
+    def close(self) -> None:
+        self._slots.close()
+
+
+class ConfKVVecEnv(VecEnv):
+    """N episodes stepped as one engine batch (stable-baselines3's ``VecEnv``; auto-resets finished slots)."""
+
+    def __init__(
+        self, data: TuneData, n_envs: int, action: str = "knobs", weights: RewardWeights | None = None, seed: int = 0
+    ) -> None:
+        self.render_mode = None
+        super().__init__(n_envs, observation_space(), action_space(action))
+        self.data = data
+        self._slots = _Slots(data, n_envs, action, weights or RewardWeights())
+        self._rng = np.random.default_rng(seed)
+        self._actions: list[Any] = []
+
+    def _pick(self) -> Episode:
+        return self.data.episodes[int(self._rng.integers(len(self.data.episodes)))]
+
+    def reset(self) -> np.ndarray:
+        self._slots.close()
+        self._slots.session = Scorer(self._slots.engine).session()
+        return np.stack([self._slots.start(i, self._pick()) for i in range(self.num_envs)])
+
+    def step_async(self, actions: np.ndarray) -> None:
+        self._actions = list(actions)
+
+    def step_wait(self):
+        results = self._slots.advance(self._actions)
+        obs, rewards, dones, infos = [], [], [], []
+        for slot, (o, r, d, info) in enumerate(results):
+            if d:
+                info["terminal_observation"] = o
+                o = self._slots.start(slot, self._pick())
+            obs.append(o)
+            rewards.append(r)
+            dones.append(d)
+            infos.append(info)
+        return np.stack(obs), np.array(rewards, dtype=np.float32), np.array(dones), infos
+
+    def seed(self, seed: int | None = None) -> list[int | None]:
+        self._rng = np.random.default_rng(seed)
+        return [seed] * self.num_envs
+
+    def close(self) -> None:
+        self._slots.close()
+
+    def get_attr(self, attr_name: str, indices: Any = None) -> list[Any]:
+        return [getattr(self, attr_name)] * len(self._indices(indices))
+
+    def set_attr(self, attr_name: str, value: Any, indices: Any = None) -> None:
+        setattr(self, attr_name, value)
+
+    def env_method(self, method_name: str, *args: Any, indices: Any = None, **kwargs: Any) -> list[Any]:
+        return [getattr(self, method_name)(*args, **kwargs)] * len(self._indices(indices))
+
+    def env_is_wrapped(self, wrapper_class: type, indices: Any = None) -> list[bool]:
+        return [False] * len(self._indices(indices))
+
+    def _indices(self, indices: Any) -> list[int]:
+        if indices is None:
+            return list(range(self.num_envs))
+        return [indices] if isinstance(indices, int) else list(indices)

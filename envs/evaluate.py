@@ -1,0 +1,115 @@
+"""One way to judge every policy: the same episodes, the same metrics, the same reward.
+
+``evaluate_policy`` runs a ``CachePolicy`` (a baseline, the requirement's dynamic rule, an Optuna result or an
+exported learned policy) through ``confkv.scoring``; ``evaluate_agent`` runs an agent acting in the environment.
+Both report the resident KV fraction, KL to full, perplexity of the prose episodes, pass-key accuracy and the
+environment's reward per episode, segmenting tokens exactly as the environment does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from confkv.config import CachePolicy
+from confkv.scoring import Scorer, ScoreResult
+from envs.env import ConfKVVecEnv, RewardWeights
+from envs.episodes import Episode, TuneData
+
+
+def _segments(n: int, chunk: int) -> list[slice]:
+    """The environment's segments: the first scored token alone, then ``chunk`` tokens at a time."""
+    out = [slice(0, 1)]
+    i = 1
+    while i < n:
+        out.append(slice(i, min(n, i + chunk)))
+        i += chunk
+    return out
+
+
+def _summarise(rows: list[dict[str, Any]], tokens: dict[str, float]) -> dict[str, Any]:
+    passkey = [r["task_correct"] for r in rows if "task_correct" in r]
+    out: dict[str, Any] = {
+        "episodes": len(rows),
+        "reward": float(np.mean([r["reward"] for r in rows])),
+        "kv_fraction": tokens["resident"] / tokens["full"],
+        "kl_mean": tokens["kl"] / tokens["n"],
+        "ppl": float(np.exp(tokens["prose_nll"] / tokens["prose_n"])) if tokens["prose_n"] else None,
+        "passkey_acc": float(np.mean(passkey)) if passkey else None,
+        "per_episode": rows,
+    }
+    return out
+
+
+def evaluate_policy(
+    data: TuneData, policy: CachePolicy, weights: RewardWeights | None = None, episodes: list[Episode] | None = None
+) -> dict[str, Any]:
+    weights = weights or RewardWeights()
+    episodes = episodes or data.episodes
+    llm = data.llm(policy, max_batch_size=len(episodes))
+    results = Scorer(llm.engine).score([ep.item for ep in episodes])
+    return _from_results(episodes, results, policy.compact_interval, weights)
+
+
+def _from_results(
+    episodes: list[Episode], results: list[ScoreResult], chunk: int, weights: RewardWeights
+) -> dict[str, Any]:
+    rows = []
+    tok = {"resident": 0.0, "full": 0.0, "kl": 0.0, "n": 0.0, "prose_nll": 0.0, "prose_n": 0.0}
+    for ep, r in zip(episodes, results, strict=True):
+        frac = r.resident.float() / r.full.float()
+        kl = r.kl if r.kl is not None else torch.zeros_like(frac)
+        reward = 0.0
+        for seg in _segments(r.num_tokens, chunk):
+            reward += weights.memory_weight * (1.0 - float(frac[seg].mean())) - weights.quality_weight * float(
+                kl[seg].mean()
+            )
+        row: dict[str, Any] = {
+            "item": ep.item_id,
+            "workload": ep.workload,
+            "kv_fraction": r.kv_fraction,
+            "kl": float(kl.mean()),
+        }
+        if ep.task is not None and r.greedy_match is not None:
+            a, b = ep.task
+            row["task_correct"] = float(bool(r.greedy_match[a:b].all()))
+            reward += weights.task_weight * row["task_correct"]
+        row["reward"] = reward
+        rows.append(row)
+        tok["resident"] += float(r.resident.sum())
+        tok["full"] += float(r.full.sum())
+        tok["kl"] += float(kl.sum())
+        tok["n"] += r.num_tokens
+        if ep.workload == "prose":
+            tok["prose_nll"] += float(-r.token_logprobs.sum())
+            tok["prose_n"] += r.num_tokens
+    return _summarise(rows, tok)
+
+
+def evaluate_agent(
+    data: TuneData,
+    act: Callable[[np.ndarray], Any],
+    action: str = "knobs",
+    weights: RewardWeights | None = None,
+    episodes: list[Episode] | None = None,
+) -> dict[str, Any]:
+    """Every episode once, all in one batch, the agent choosing each segment's action from its observation."""
+    weights = weights or RewardWeights()
+    episodes = episodes or data.episodes
+    env = ConfKVVecEnv(data, len(episodes), action, weights)
+    slots = env._slots
+    obs = [slots.start(i, ep) for i, ep in enumerate(episodes)]
+    live = set(range(len(episodes)))
+    while live:
+        order = sorted(live)
+        results = slots.advance_some(order, [act(obs[i]) for i in order])
+        for i, (o, _, done, _info) in zip(order, results, strict=True):
+            obs[i] = o
+            if done:
+                live.discard(i)
+    scored = [slots.session.result(slots.index[i]) for i in range(len(episodes))]  # type: ignore[arg-type]
+    env.close()
+    return _from_results(episodes, scored, data.base_policy.compact_interval, weights)
