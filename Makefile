@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: venv test test-fast run lint format bench clean
+.PHONY: venv test test-fast run demo bench lint format clean
 
 venv: $(STAMP)
 
@@ -30,9 +30,19 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-## The main job: a generation demo on the default model, dynamic policy, with its KV statistics.
+## The main job: a quick policy search on the default model (Optuna, tracked in MLflow: sqlite:///mlflow.db),
+## then the learned policy generating.
 run: $(STAMP)
+	$(BIN)/confkv-tune train --algo optuna --model $(MODEL) --trials 8 --out runs/quick
+	$(BIN)/confkv generate --model $(MODEL) --policy-file runs/quick/policy --chat --max-tokens 200 --prompt "$(PROMPT)"
+
+## A generation demo under the requirement's dynamic policy, with its KV statistics.
+demo: $(STAMP)
 	$(BIN)/confkv generate --model $(MODEL) --policy dynamic --chat --max-tokens 200 --prompt "$(PROMPT)"
+
+## The quick benchmark suite (about 10 minutes on 2 CPU cores): results.json, report.md, plots.
+bench: $(STAMP)
+	$(BIN)/confkv bench --model $(MODEL) --suite quick --out bench-out/quick-$(MODEL)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -34,7 +34,7 @@ ACTIONS = ("knobs", "budget")
 @dataclass(frozen=True)
 class RewardWeights:
     memory_weight: float = 1.0
-    quality_weight: float = 10.0
+    quality_weight: float = 2.0
     task_weight: float = 1.0
 
 

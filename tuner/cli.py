@@ -31,7 +31,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--memory-weight", type=float, default=1.0)
-    p.add_argument("--quality-weight", type=float, default=10.0)
+    p.add_argument("--quality-weight", type=float, default=2.0)
     p.add_argument("--task-weight", type=float, default=1.0)
 
 

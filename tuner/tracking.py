@@ -28,6 +28,7 @@ def mlflow_run(tracking_uri: str | None, run_name: str, params: dict[str, Any]) 
     _quiet()
     import mlflow
 
+    _quiet()  # mlflow sets its own logger level on import
     mlflow.set_tracking_uri(tracking_uri or DEFAULT_TRACKING_URI)
     if mlflow.get_experiment_by_name(EXPERIMENT) is None:
         location = None
