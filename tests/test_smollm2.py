@@ -72,3 +72,20 @@ def test_passkey_recall(passkey_llm):
         llm.engine.set_policy(llm.policy.replace(controller=name, max_size=budget, min_recent=budget))
         lost, _, _ = _passkey(llm)
         assert lost == 0, name
+
+
+def test_full_scoring_equals_hf_forward(smollm2, smollm2_reference):
+    import torch
+
+    from confkv.scoring import ScoreItem, Scorer
+
+    llm = LLM("smollm2-135m", "full", loaded=smollm2)
+    text = "The engine scores this text teacher-forced, fifty tokens at a time, as decoding would. " * 6
+    ids = list(llm.tokenizer(text)["input_ids"])
+    (res,) = Scorer(llm.engine).score([ScoreItem(ids, 10)], keep_topk=32)
+    with torch.no_grad():
+        logits = smollm2_reference.model(torch.tensor([ids])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[9:, 0]
+    torch.testing.assert_close(res.token_logprobs, expected, atol=2e-4, rtol=1e-4)
+    (again,) = Scorer(llm.engine).score([ScoreItem(ids, 10, res.topk)])
+    assert again.kl is not None and float(again.kl.max()) < 1e-5
