@@ -8,8 +8,7 @@ from typing import Any
 from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
-
-from envs.env import ConfKVVecEnv
+from stable_baselines3.common.vec_env import VecEnv
 
 ALGOS = ("ppo", "sac")
 
@@ -32,7 +31,7 @@ class _EpisodeLogger(BaseCallback):
 
 def train_sb3(
     algo: str,
-    env: ConfKVVecEnv,
+    env: VecEnv,
     timesteps: int,
     *,
     seed: int = 0,

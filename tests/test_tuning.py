@@ -128,3 +128,32 @@ def test_eval_and_errors(capsys):
     assert "neither a file" in capsys.readouterr().err
     assert tune_main(["train", "--algo", "ppo", "--trials", "3", "--model", "tiny-random", "--out", "x"]) == 2
     assert tune_main(["eval", "default", "--model", "tiny-random", "--workload", "poetry"]) == 2
+
+
+def test_decode_environment_checks_and_matches_the_engine(data):
+    from envs.decode_env import ConfKVDecodeEnv
+
+    gym_check_env(ConfKVDecodeEnv(data), skip_render_check=True)
+    sb3_check_env(ConfKVDecodeEnv(data, action="budget"), warn=False)
+    env = ConfKVDecodeEnv(data)
+    agent = RuleAgent(data.base_policy)
+    for i, ep in enumerate(env.episodes):
+        obs, _ = env.reset(options={"episode": i})
+        done = False
+        while not done:
+            obs, _, done, _, info = env.step(agent(obs))
+        # the rule agent steering the engine generates exactly what the engine's own dynamic policy generates
+        llm = data.llm()
+        prompt = ep.item.token_ids[: ep.item.score_from]
+        n = len(ep.item.token_ids) - ep.item.score_from
+        expected = llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+        assert info["summary"]["output_token_ids"] == expected
+        assert 0.0 <= info["summary"]["divergence"] <= 1.0
+    assert env.engine.pool.num_used == 0
+
+
+def test_train_ppo_in_decode_mode(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--algo", "ppo", "--mode", "decode", "--model", "tiny-random", "--timesteps", "24", "--out", "d"]
+    assert tune_main(args) == 0
+    assert load_policy_file(tmp_path / "d" / "policy").controller == "learned"

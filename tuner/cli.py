@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--timesteps", type=int, help="environment steps (segments) for ppo/sac")
     budget.add_argument("--trials", type=int, help="trials for optuna")
     train.add_argument("--action", choices=["knobs", "budget"], default="knobs", help="what the agent sets")
-    train.add_argument("--n-envs", type=int, default=4, help="episodes per engine batch")
+    train.add_argument("--n-envs", type=int, default=4, help="episodes per engine batch (teacher mode)")
+    train.add_argument(
+        "--mode", choices=["teacher", "decode"], default="teacher",
+        help="episodes scored teacher-forced (fast, KL reward) or decoded freely (divergence reward)",
+    )  # fmt: skip
     train.add_argument("--objectives", choices=["reward", "pareto"], default="reward", help="optuna objective(s)")
     train.add_argument("--storage", default=None, help="optuna storage URL (default sqlite:///OUT/optuna.db)")
     train.add_argument("--study", default=None, help="optuna study name (default confkv-<model>-<workload>)")
@@ -145,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     params = {
         "algo": args.algo, "model": args.model, "workload": args.workload, "seed": args.seed,
         "episodes": len(data.episodes), "timesteps": args.timesteps, "trials": args.trials, "action": args.action,
-        "n_envs": args.n_envs, "objectives": args.objectives, **weights.__dict__,
+        "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, **weights.__dict__,
         **{f"base_{k}": v for k, v in data.base_policy.model_dump(
             include={"base_size", "max_size", "min_recent", "compact_interval"}).items()},
     }  # fmt: skip
@@ -223,13 +227,22 @@ def _train_rl(
     from agents.sb3 import train_sb3
     from envs.env import ConfKVVecEnv
 
-    env = ConfKVVecEnv(data, args.n_envs, args.action, weights, seed=args.seed)
+    if args.mode == "decode":
+        from stable_baselines3.common.vec_env import DummyVecEnv
+
+        from envs.decode_env import ConfKVDecodeEnv
+
+        env = DummyVecEnv([lambda: ConfKVDecodeEnv(data, args.action, weights)])
+        env.seed(args.seed)
+    else:
+        env = ConfKVVecEnv(data, args.n_envs, args.action, weights, seed=args.seed)
     steps: list[float] = []
     rewards: list[float] = []
 
     def on_episode(timestep: int, ep: dict[str, Any]) -> None:
-        log_metrics({"episode_reward": ep["reward"], "episode_kv_fraction": ep["kv_fraction"],
-                     "episode_kl": ep["kl"]}, step=timestep)  # fmt: skip
+        quality = {"episode_kl": ep["kl"]} if "kl" in ep else {"episode_divergence": ep["divergence"]}
+        log_metrics({"episode_reward": ep["reward"], "episode_kv_fraction": ep["kv_fraction"], **quality},
+                    step=timestep)  # fmt: skip
         steps.append(timestep)
         rewards.append(ep["reward"])
 

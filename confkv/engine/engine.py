@@ -181,6 +181,10 @@ class LLMEngine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The live sequence of a request (an environment sets ``controller`` on it to steer its budget)."""
+        return self._seqs.get(request_id)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self._seqs.get(request_id)
         if seq is None:
@@ -247,7 +251,7 @@ class LLMEngine:
                 position=len(seq.token_ids),
                 pool_usage=self.pool.usage,
             )
-            state = c.update(seq.ctrl, s)
+            state = (seq.controller or c).update(seq.ctrl, s)
             if state.budget > seq.kv.budget:
                 seq.kv.stats.expansions += 1
                 expanded[i] = True

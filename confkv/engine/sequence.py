@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from confkv.controllers import BudgetState
+from confkv.controllers import BudgetState, Controller
 from confkv.engine.params import SamplingParams
 from confkv.kv.manager import SequenceKV
 
@@ -42,6 +42,9 @@ class Sequence:
     kv: SequenceKV
     ctrl: BudgetState
     generator: torch.Generator | None = None
+    #: Overrides the engine's controller for this sequence's budget updates (an RL agent's knobs); eviction
+    #: mechanics (sinks, recent window, ranking) stay the engine's.
+    controller: Controller | None = None
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt then output
     num_computed: int = 0

@@ -1,0 +1,177 @@
+"""The environment in free-decoding mode: the engine generates, the agent steers, the full cache's answer judges.
+
+An episode is a generation item (a long answer, a chat reply or a pass-key answer) decoded greedily by the engine;
+a step applies the agent's action to the sequence's controller and runs ``compact_interval`` decode steps. Without
+a fixed token sequence there is no per-token KL to the full cache, so quality loss is divergence: the share of the
+segment's tokens generated after the output first departed from the full cache's own greedy answer (for a pass
+key, from the true key). Reward:
+
+    memory_weight * (1 - resident fraction) - quality_weight * divergence   (+ task_weight for a correct key)
+
+Observation and actions are those of the teacher-forced ``ConfKVEnv``, so an agent trained in either mode runs
+in both and in the engine. Decoding costs one forward pass per token, so this mode is slower to train on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from confkv.controllers import DynamicController, StepSignals
+from confkv.engine.params import SamplingParams
+from confkv.engine.sequence import Sequence
+from confkv.learned import segment_observation
+from envs.env import RewardWeights, action_space, apply_action, observation_space
+from envs.episodes import Episode, TuneData
+
+
+class _Steered:
+    """Adapts a live sequence to ``apply_action`` (which sets ``controller`` and may set the budget)."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+
+    @property
+    def controller(self) -> Any:
+        return self.seq.controller
+
+    @controller.setter
+    def controller(self, value: Any) -> None:
+        self.seq.controller = value
+
+
+class ConfKVDecodeEnv(gym.Env):
+    metadata = {"render_modes": []}  # noqa: RUF012
+
+    def __init__(self, data: TuneData, action: str = "knobs", weights: RewardWeights | None = None) -> None:
+        super().__init__()
+        self.data = data
+        self.kind = action
+        self.weights = weights or RewardWeights()
+        self.observation_space = observation_space()
+        self.action_space = action_space(action)
+        self.episodes = [ep for ep in data.episodes if ep.workload != "prose"]
+        if not self.episodes:
+            raise ValueError("free decoding needs generation episodes (longgen, chat or passkey)")
+        self.llm = data.llm(max_batch_size=1)
+        self.engine = self.llm.engine
+        self._ids = itertools.count()
+        self._rid: str | None = None
+        self._episode: Episode | None = None
+        self._reference: list[int] = []
+        self._seen = 0
+        self._seen_div = 0
+        self._diverged = False
+        self._totals: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------------- helpers
+    def _seq(self) -> Sequence | None:
+        return self.engine.sequence(self._rid) if self._rid else None
+
+    def _run(self, tokens: int) -> tuple[Sequence, bool]:
+        """Decode up to ``tokens`` more tokens; returns the sequence and whether it finished."""
+        seq = self._seq()
+        assert seq is not None
+        target = len(seq.output_token_ids) + tokens
+        while len(seq.output_token_ids) < target:
+            finished = any(o.finished for o in self.engine.step() if o.request_id == self._rid)
+            if finished:
+                return seq, True
+        return seq, False
+
+    def _segment(self, seq: Sequence) -> list[StepSignals]:
+        tr, start = seq.trace, self._seen
+        n0 = seq.num_prompt_tokens
+        return [
+            StepSignals(tr.entropy[i], tr.gap[i], tr.top1_prob[i], tr.resident[i], n0 + i, self.engine.pool.usage)
+            for i in range(start, len(tr.entropy))
+        ]
+
+    def _observe(self, seq: Sequence, segment: list[StepSignals]) -> np.ndarray:
+        return segment_observation(segment, seq.ctrl.budget, self.data.base_policy)
+
+    # --------------------------------------------------------------------------------------------------- gym api
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        if self._rid is not None:
+            self.engine.abort_request(self._rid)
+        i = (options or {}).get("episode")
+        if i is None:
+            i = int(self.np_random.integers(len(self.episodes)))
+        ep = self._episode = self.episodes[i]
+        item = ep.item
+        self._reference = item.token_ids[item.score_from :]
+        self._rid = f"env-{next(self._ids)}"
+        params = SamplingParams(max_tokens=len(self._reference), ignore_eos=True)
+        self.engine.add_request(self._rid, item.token_ids[: item.score_from], params)
+        seq = self._seq()
+        assert seq is not None
+        seq.controller = DynamicController(self.data.base_policy)
+        self._seen = 0
+        self._seen_div = 0
+        self._diverged = False
+        self._totals = {"reward": 0.0, "kv_fraction": 0.0, "divergence": 0.0, "steps": 0.0}
+        seq, _ = self._run(1)
+        segment = self._segment(seq)
+        self._seen = len(seq.trace.entropy)
+        self._update_divergence(seq)
+        return self._observe(seq, segment), {"episode_index": i, "item": ep.item_id}
+
+    def _update_divergence(self, seq: Sequence) -> list[bool]:
+        """Per new token: whether the output had departed from the reference by then."""
+        out = seq.output_token_ids
+        flags = []
+        for j in range(self._seen_div, len(out)):
+            if not self._diverged and (j >= len(self._reference) or out[j] != self._reference[j]):
+                self._diverged = True
+            flags.append(self._diverged)
+        self._seen_div = len(out)
+        return flags
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if self._rid is None or self._episode is None:
+            raise RuntimeError("call reset() first")
+        seq = self._seq()
+        if seq is None:
+            raise RuntimeError("the episode has ended; call reset()")
+        applied = apply_action(_Steered(seq), action, self.data.base_policy, self.kind)  # type: ignore[arg-type]
+        seq, done = self._run(self.data.base_policy.compact_interval)
+        segment = self._segment(seq)
+        self._seen = len(seq.trace.entropy)
+        flags = self._update_divergence(seq)
+        fraction = float(np.mean([s.resident / max(1, s.position) for s in segment])) if segment else 1.0
+        divergence = float(np.mean(flags)) if flags else 0.0
+        w = self.weights
+        reward = w.memory_weight * (1.0 - fraction) - w.quality_weight * divergence
+        info: dict[str, Any] = {"kv_fraction": fraction, "divergence": divergence, "action": applied}
+        tot = self._totals
+        tot["kv_fraction"] += fraction
+        tot["divergence"] += divergence
+        tot["steps"] += 1
+        if done:
+            ep = self._episode
+            if ep.task is not None:
+                text = self.engine.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                key = self.engine.tokenizer.decode(self._reference, skip_special_tokens=True).strip()
+                info["task_correct"] = float(key in text)
+                reward += w.task_weight * info["task_correct"]
+            tot["reward"] += reward
+            info["episode"] = {"r": tot["reward"], "l": int(tot["steps"]), "t": 0.0}
+            info["summary"] = {
+                "item": ep.item_id, "workload": ep.workload, "reward": tot["reward"],
+                "kv_fraction": tot["kv_fraction"] / tot["steps"], "divergence": tot["divergence"] / tot["steps"],
+                "output_token_ids": list(seq.output_token_ids),
+                **({"task_correct": info["task_correct"]} if "task_correct" in info else {}),
+            }  # fmt: skip
+            self._rid = None
+        else:
+            tot["reward"] += reward
+        return self._observe(seq, segment), float(reward), done, False, info
+
+    def close(self) -> None:
+        if self._rid is not None:
+            self.engine.abort_request(self._rid)
+            self._rid = None
