@@ -202,7 +202,7 @@ def _train_optuna(args: argparse.Namespace, data: Any, weights: Any, out: Path, 
         ys.append(metrics["kl_mean"])
 
     study = search(data, args.trials, storage=storage, study_name=study_name, objectives=args.objectives,
-                   weights=weights, seed=args.seed, on_trial=on_trial)  # fmt: skip
+                   weights=weights, seed=args.seed, on_trial=on_trial, progress=sys.stderr.isatty())  # fmt: skip
     if xs:
         import matplotlib
 

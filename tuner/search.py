@@ -49,6 +49,7 @@ def search(
     weights: RewardWeights | None = None,
     seed: int = 0,
     groups: int = 2,
+    progress: bool = False,
     on_trial: Callable[[optuna.trial.FrozenTrial, dict[str, Any]], None] | None = None,
 ) -> optuna.Study:
     weights = weights or RewardWeights()
@@ -95,7 +96,7 @@ def search(
             return metrics["kv_fraction"], metrics["kl_mean"]
         return sum(rewards) / len(rewards)
 
-    study.optimize(objective, n_trials=trials, catch=())
+    study.optimize(objective, n_trials=trials, catch=(), show_progress_bar=progress)
     return study
 
 
