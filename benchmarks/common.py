@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from confkv.bench.suite import git_commit
 from confkv.model_loader import LoadedModel, load_model
 
 #: Eight chat prompts of different lengths, the same for engine and Hugging Face runs.
@@ -41,17 +41,13 @@ def setup(args: argparse.Namespace) -> tuple[torch.device, dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
     env = {
         "model": args.model,
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
-        "commit": commit,
+        "commit": git_commit(),
     }
     return device, env
 

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from confkv.config import BUILTIN_POLICIES, CONTROLLER_NAMES
 from confkv.errors import ConfkvError
@@ -227,22 +227,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    if not args.verbose:
+def quiet_libraries(verbose: bool = False) -> None:
+    """Log warnings only and hide transformers' loading bars: the CLIs print their own results and errors."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+
+
+def run_command(
+    prog: str, command: Callable[[argparse.Namespace], int], args: argparse.Namespace, user_errors: tuple = ()
+) -> int:
+    """Run a subcommand; a user error becomes one stderr line and exit status 2, Ctrl-C exit status 130."""
     try:
-        return {"generate": cmd_generate, "score": cmd_score, "bench": cmd_bench}[args.command](args)
-    except ConfkvError as err:
-        print(f"confkv: error: {err}", file=sys.stderr)
+        return command(args)
+    except (ConfkvError, *user_errors) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_libraries(args.verbose)
+    commands = {"generate": cmd_generate, "score": cmd_score, "bench": cmd_bench}
+    return run_command("confkv", commands[args.command], args)
 
 
 if __name__ == "__main__":

@@ -305,21 +305,9 @@ class Scorer:
 
     def _finish(self, st: ItemState, keep_topk: int) -> ScoreResult:
         e, seq = self.engine, st.seq
-        st_kv = seq.kv.stats
         cat = {k: torch.cat(v) for k, v in st.rows.items()}
         n = int(cat["token_logprobs"].numel())
-        kv = {
-            "peak_resident_tokens": st_kv.peak_resident_tokens,
-            "mean_resident_tokens": st_kv.resident_sum / max(1, st_kv.resident_count),
-            "full_tokens": len(st.item.token_ids),
-            "peak_device_bytes": st_kv.peak_device_blocks * e.pool.bytes_per_block,
-            "evicted_blocks": st_kv.evicted_blocks,
-            "recalled_blocks": st_kv.recalled_blocks,
-            "recall_hits": st_kv.recall_hits,
-            "dropped_blocks": st_kv.dropped_blocks,
-            "expansions": st_kv.expansions,
-            "host_peak_bytes": st_kv.host_peak_bytes,
-        }
+        kv = seq.kv.stats.summary(len(st.item.token_ids), e.pool.bytes_per_block)
         e.manager.close(seq.kv)
         return ScoreResult(
             token_logprobs=cat["token_logprobs"],

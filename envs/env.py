@@ -81,11 +81,18 @@ def apply_action(st: ItemState, action: Any, base: CachePolicy, kind: str) -> di
     return {"budget": budget}
 
 
+def reward_of(weights: RewardWeights, resident: torch.Tensor, full: torch.Tensor, kl: torch.Tensor | None) -> float:
+    """A segment's reward from its tokens' resident keys, full-cache keys and KL."""
+    fraction = float((resident.float() / full.float()).mean())
+    quality = float(kl.mean()) if kl is not None else 0.0
+    return weights.memory_weight * (1.0 - fraction) - weights.quality_weight * quality
+
+
 def segment_reward(st: ItemState, episode: Episode, weights: RewardWeights) -> tuple[float, dict[str, float]]:
     last = st.last
     fraction = float((last["resident"].float() / last["full"].float()).mean())
     kl = float(last["kl"].mean()) if "kl" in last else 0.0
-    reward = weights.memory_weight * (1.0 - fraction) - weights.quality_weight * kl
+    reward = reward_of(weights, last["resident"], last["full"], last.get("kl"))
     info = {"kv_fraction": fraction, "kl": kl, "nll": float(-last["token_logprobs"].mean())}
     if st.done and episode.task is not None:
         a, b = episode.task

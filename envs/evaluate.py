@@ -16,7 +16,7 @@ import torch
 
 from confkv.config import CachePolicy
 from confkv.scoring import Scorer, ScoreResult
-from envs.env import ConfKVVecEnv, RewardWeights
+from envs.env import ConfKVVecEnv, RewardWeights, reward_of
 from envs.episodes import Episode, TuneData
 
 
@@ -60,13 +60,8 @@ def _from_results(
     rows = []
     tok = {"resident": 0.0, "full": 0.0, "kl": 0.0, "n": 0.0, "prose_nll": 0.0, "prose_n": 0.0}
     for ep, r in zip(episodes, results, strict=True):
-        frac = r.resident.float() / r.full.float()
-        kl = r.kl if r.kl is not None else torch.zeros_like(frac)
-        reward = 0.0
-        for seg in _segments(r.num_tokens, chunk):
-            reward += weights.memory_weight * (1.0 - float(frac[seg].mean())) - weights.quality_weight * float(
-                kl[seg].mean()
-            )
+        kl = r.kl if r.kl is not None else torch.zeros(r.num_tokens)
+        reward = sum(reward_of(weights, r.resident[s], r.full[s], kl[s]) for s in _segments(r.num_tokens, chunk))
         row: dict[str, Any] = {
             "item": ep.item_id,
             "workload": ep.workload,

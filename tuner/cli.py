@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -99,8 +98,9 @@ def resolve_policy_arg(spec: str, base: CachePolicy) -> CachePolicy:
             return base
         if spec == "full":
             return base.replace(controller="full")
-        budget = 2 * base.base_size  # the fixed baselines at twice dynamic's base, as in confkv bench
-        return base.replace(controller=spec, base_size=budget, max_size=budget, min_recent=budget // 2)
+        from confkv.bench.suite import baseline_policy
+
+        return baseline_policy(base, spec)
     path = Path(spec)
     if path.exists():
         return load_policy_file(path)
@@ -131,7 +131,7 @@ def _plot_curve(xs: list[float], ys: list[float], xlabel: str, ylabel: str, titl
 
 def cmd_train(args: argparse.Namespace) -> int:
     from envs.evaluate import evaluate_policy
-    from tuner.tracking import log_artifacts, log_metrics, mlflow_run
+    from tuner.tracking import log_artifact_file, log_artifacts, log_metrics, mlflow_run
 
     if args.algo == "optuna" and args.trials is None:
         raise ConfkvError("--algo optuna takes --trials")
@@ -167,7 +167,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         log_metrics({f"train_{k}": v for k, v in _summary(final).items()})
         log_artifacts(policy_dir, "policy")
         for png in out.glob("*.png"):
-            log_artifacts_file(png)
+            log_artifact_file(png)
         summary = {
             "run_id": run.info.run_id,
             "policy": str(policy_dir),
@@ -177,12 +177,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
     return 0
-
-
-def log_artifacts_file(path: Path) -> None:
-    import mlflow
-
-    mlflow.log_artifact(str(path))
 
 
 def _train_optuna(args: argparse.Namespace, data: Any, weights: Any, out: Path, log_metrics: Any) -> CachePolicy:
@@ -337,23 +331,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers.utils import logging as hf_logging
+    from confkv.cli import quiet_libraries, run_command
 
-    hf_logging.disable_progress_bar()
+    args = build_parser().parse_args(argv)
+    quiet_libraries()
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     commands = {"train": cmd_train, "eval": cmd_eval, "compare": cmd_compare, "export": cmd_export}
-    try:
-        return commands[args.command](args)
-    except (ConfkvError, ValueError) as err:
-        print(f"confkv-tune: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command("confkv-tune", commands[args.command], args, user_errors=(ValueError,))
 
 
 if __name__ == "__main__":

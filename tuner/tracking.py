@@ -55,6 +55,12 @@ def log_artifacts(folder: str | Path, artifact_path: str | None = None) -> None:
     mlflow.log_artifacts(str(folder), artifact_path=artifact_path)
 
 
+def log_artifact_file(path: str | Path) -> None:
+    import mlflow
+
+    mlflow.log_artifact(str(path))
+
+
 def download_policy(run_id: str, out: str | Path, tracking_uri: str | None) -> Path:
     _quiet()
     import mlflow

@@ -98,7 +98,15 @@ def scaled_dynamic(scale: float) -> CachePolicy:
     return d.replace(base_size=size(d.base_size), max_size=size(d.max_size), min_recent=size(d.min_recent))
 
 
-def _commit() -> str:
+def baseline_policy(dynamic: CachePolicy, name: str, budget: int | None = None) -> CachePolicy:
+    """A fixed baseline beside ``dynamic``: ``budget`` tokens (default twice its base), half of them recent."""
+    budget = budget or 2 * dynamic.base_size
+    return dynamic.replace(
+        controller=name, base_size=budget, max_size=budget, min_recent=max(dynamic.block_size, budget // 2)
+    )
+
+
+def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or "unknown"
@@ -185,35 +193,29 @@ class Evaluator:
         llm = self.llm(policy)
         scorer = Scorer(llm.engine)
         out: dict[str, Any] = {}
-        resident = full = 0.0
+        totals = {"resident": 0.0, "full": 0.0, "kl": 0.0, "n": 0.0}
         peaks: list[float] = []
-        kl_sum, kl_n = 0.0, 0
         for name in ("prose", "longgen", "chat"):
             refs = self.references[name]
             results = scorer.score(
                 [ScoreItem(r.scored_ids, r.score_from, r.topk) for r in refs], use_tqdm=self.progress
             )
             if name == "prose":
-                nll = torch.cat([r.token_logprobs for r in results])
-                ref_nll = torch.cat([r.token_logprobs for r in refs])
-                out["ppl"] = math.exp(float(-nll.mean()))
-                out["ppl_full"] = math.exp(float(-ref_nll.mean()))
-            for r in results:
-                resident += float(r.resident.sum())
-                full += float(r.full.sum())
-                peaks.append(r.kv["peak_resident_tokens"] / r.kv["full_tokens"])
-                assert r.kl is not None
-                kl_sum += float(r.kl.sum())
-                kl_n += r.num_tokens
-            out[f"{name}_kv_fraction"] = sum(float(r.resident.sum()) for r in results) / sum(
-                float(r.full.sum()) for r in results
-            )
-            out[f"{name}_kl_mean"] = sum(float(r.kl.sum()) for r in results if r.kl is not None) / sum(
-                r.num_tokens for r in results
-            )
-        out["kv_fraction_mean"] = resident / full
+                out["ppl"] = math.exp(float(-torch.cat([r.token_logprobs for r in results]).mean()))
+                out["ppl_full"] = math.exp(float(-torch.cat([r.token_logprobs for r in refs]).mean()))
+            part = {
+                "resident": sum(float(r.resident.sum()) for r in results),
+                "full": sum(float(r.full.sum()) for r in results),
+                "kl": sum(float(r.kl.sum()) for r in results if r.kl is not None),
+                "n": sum(r.num_tokens for r in results),
+            }
+            out[f"{name}_kv_fraction"] = part["resident"] / part["full"]
+            out[f"{name}_kl_mean"] = part["kl"] / part["n"]
+            totals = {k: totals[k] + part[k] for k in totals}
+            peaks.extend(r.kv["peak_resident_tokens"] / r.kv["full_tokens"] for r in results)
+        out["kv_fraction_mean"] = totals["resident"] / totals["full"]
         out["kv_fraction_peak"] = max(peaks)
-        out["kl_mean"] = kl_sum / kl_n
+        out["kl_mean"] = totals["kl"] / totals["n"]
         out["ppl_delta_rel"] = out["ppl"] / out["ppl_full"] - 1.0
         return out
 
@@ -278,11 +280,8 @@ class Evaluator:
             ids = base[i % len(base)]
             off = (i * 37) % max(1, len(ids) - b["prompt_tokens"])
             prompts.append(ids[off : off + b["prompt_tokens"]])
-        mc = self.loaded.model.config
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
         block_bytes = BlockPool.bytes_per_block_for(
-            mc.num_hidden_layers, kv_heads, head_dim, policy.block_size, next(self.loaded.model.parameters()).dtype
+            *BlockPool.geometry(self.loaded.model.config), policy.block_size, next(self.loaded.model.parameters()).dtype
         )
         per_seq = -(-(b["prompt_tokens"] + b["max_tokens"]) // policy.block_size)
         fits = max(1, b["max_batch_size"] // 3)
@@ -347,10 +346,7 @@ def run_suite(
         elif name == "full":
             policy = CachePolicy(controller="full")
         else:
-            budget = matched or 2 * dynamic.base_size
-            policy = dynamic.replace(
-                controller=name, base_size=budget, max_size=budget, min_recent=max(dynamic.block_size, budget // 2)
-            )
+            policy = baseline_policy(dynamic, name, matched)
         entry: dict[str, Any] = {"policy": policy.model_dump(mode="json")}
         entry.update(ev.teacher_forced(policy))
         entry.update(ev.retrieval(policy))
@@ -380,7 +376,7 @@ def run_suite(
     return {
         "model": model,
         "suite": suite,
-        "commit": _commit(),
+        "commit": git_commit(),
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "settings": {
             "dynamic_scale": spec.scale,

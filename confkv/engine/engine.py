@@ -79,14 +79,12 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
 
-        mc = self.model.config
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+        layers, kv_heads, head_dim = BlockPool.geometry(self.model.config)
         dtype = next(self.model.parameters()).dtype
-        per_block = BlockPool.bytes_per_block_for(mc.num_hidden_layers, kv_heads, head_dim, policy.block_size, dtype)
+        per_block = BlockPool.bytes_per_block_for(layers, kv_heads, head_dim, policy.block_size, dtype)
         kv_bytes = config.kv_cache_memory or int(config.kv_cache_fraction * available_memory(self.device))
         self.pool = BlockPool(
-            num_layers=mc.num_hidden_layers,
+            num_layers=layers,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             block_size=policy.block_size,

@@ -129,22 +129,9 @@ class RequestOutput:
 
     @classmethod
     def from_sequence(cls, seq: Sequence, bytes_per_block: int) -> RequestOutput:
-        st = seq.kv.stats
         generated = len(seq.output_token_ids)
-        mean_resident = st.resident_sum / st.resident_count if st.resident_count else 0.0
-        kv = {
-            "peak_resident_tokens": st.peak_resident_tokens,
-            "mean_resident_tokens": mean_resident,
-            "full_tokens": seq.num_prompt_tokens + generated,
-            "peak_device_bytes": st.peak_device_blocks * bytes_per_block,
-            "evicted_blocks": st.evicted_blocks,
-            "recalled_blocks": st.recalled_blocks,
-            "recall_hits": st.recall_hits,
-            "dropped_blocks": st.dropped_blocks,
-            "expansions": st.expansions,
-            "host_peak_bytes": st.host_peak_bytes,
-            "preemptions": seq.preemptions,
-        }
+        kv = seq.kv.stats.summary(seq.num_prompt_tokens + generated, bytes_per_block)
+        kv["preemptions"] = seq.preemptions
         t0 = seq.first_scheduled_time or seq.arrival_time
         t1 = seq.first_token_time or t0
         t2 = seq.finish_time or t1

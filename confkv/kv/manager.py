@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,21 @@ class KVStats:
     host_peak_bytes: int = 0
     resident_sum: int = 0  # over generated tokens: tokens resident when each was computed
     resident_count: int = 0
+
+    def summary(self, full_tokens: int, bytes_per_block: int) -> dict[str, Any]:
+        """The ``kv`` fields every output reports (generation and scoring alike)."""
+        return {
+            "peak_resident_tokens": self.peak_resident_tokens,
+            "mean_resident_tokens": self.resident_sum / self.resident_count if self.resident_count else 0.0,
+            "full_tokens": full_tokens,
+            "peak_device_bytes": self.peak_device_blocks * bytes_per_block,
+            "evicted_blocks": self.evicted_blocks,
+            "recalled_blocks": self.recalled_blocks,
+            "recall_hits": self.recall_hits,
+            "dropped_blocks": self.dropped_blocks,
+            "expansions": self.expansions,
+            "host_peak_bytes": self.host_peak_bytes,
+        }
 
     def record_compute(self, resident: int, device_blocks: int, generated: bool) -> None:
         self.peak_resident_tokens = max(self.peak_resident_tokens, resident)

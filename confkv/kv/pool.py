@@ -10,6 +10,8 @@ resident tokens with one index tensor. Keys are stored after RoPE.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from confkv.errors import ConfkvError
@@ -46,6 +48,14 @@ class BlockPool:
         #: Attention mass each slot has received (summed over heads and layers); block importance for eviction.
         self.score = torch.zeros(slots, dtype=torch.float32, device=self.device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @staticmethod
+    def geometry(model_config: Any) -> tuple[int, int, int]:
+        """``(layers, kv_heads, head_dim)`` of a Hugging Face decoder config."""
+        mc = model_config
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+        return mc.num_hidden_layers, kv_heads, head_dim
 
     @staticmethod
     def bytes_per_block_for(
