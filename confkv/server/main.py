@@ -1,0 +1,220 @@
+"""``confkv serve``: build the engine, its thread, the app, and run uvicorn with a draining shutdown.
+
+SIGTERM (or a first Ctrl-C) does not stop uvicorn at once: the server first stops admitting (``/health`` and new
+requests answer 503), lets the running requests finish for up to ``--shutdown-grace`` seconds, aborts what is left
+(their streams end with ``finish_reason: "abort"``), and only then lets uvicorn close its connections; the process
+exits 0. A second signal skips the wait. uvicorn's own handler is replaced because it re-raises the signal after a
+graceful stop, which would end the process with status 143 instead of 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from confkv.config import CONTROLLER_NAMES, CachePolicy, make_engine_config, resolve_policy
+from confkv.errors import ConfkvError
+from confkv.server.app import ServerState, create_app
+from confkv.server.engine_thread import EngineThread
+from confkv.server.metrics import ServerMetrics
+from confkv.server.policy_sources import (
+    PolicyFileWatcher,
+    file_version,
+    follow_registry,
+    is_registry_ref,
+    resolve_registry,
+)
+from confkv.server.settings import ServerSettings, settings_from_args
+
+log = logging.getLogger("confkv.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn with confkv's SIGTERM: drain, then exit 0 (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                # one parseable line: tests and scripts that asked for port 0 read the real port from it
+                print(f"confkv: listening on http://{host}:{port}", file=sys.stderr, flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.state.draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self.state.draining
+            if self.state.draining:
+                self.state.engine_thread.abort_all()
+            return
+        log.info("signal %s: draining (grace %.0fs)", signal.Signals(sig).name, self.state.settings.shutdown_grace_s)
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        et = self.state.engine_thread
+        deadline = time.monotonic() + self.state.settings.shutdown_grace_s
+        while et.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if et.num_in_flight:
+            log.warning("grace period over: aborting %d running requests", et.num_in_flight)
+            et.abort_all()
+            end = time.monotonic() + 5
+            while et.num_in_flight and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let the last SSE chunks reach their clients
+        self.should_exit = True
+
+
+def build_policy(args: argparse.Namespace) -> tuple[CachePolicy, dict[str, Any], Any]:
+    """The start policy, its (name, version, source), and the resolved registry reference to follow (if any)."""
+    refs = [r for r in (args.policy, args.policy_file) if is_registry_ref(r)]
+    ref = refs[0] if refs else None
+    if ref is not None:
+        if args.policy and args.policy_file:
+            raise ConfkvError("give either --policy registry://... or --policy-file, not both")
+        args.policy, args.policy_file = ref, None
+        resolved = resolve_registry(ref, args.registry_url)
+        policy = resolved.policy
+        if args.overrides:
+            policy = resolve_policy(policy, None, args.overrides)
+        info = {"name": resolved.label, "version": str(resolved.version), "source": f"registry:{ref}"}
+        return policy, info, resolved
+    if args.policy is not None and args.policy not in CONTROLLER_NAMES:
+        raise ConfkvError(
+            f"unknown policy {args.policy!r}; choose one of {', '.join(CONTROLLER_NAMES)} or registry://NAME@ALIAS"
+        )
+    policy = resolve_policy(args.policy, args.policy_file, args.overrides or None)
+    if args.policy_file:
+        info = {
+            "name": policy.controller,
+            "version": file_version(args.policy_file),
+            "source": f"file:{args.policy_file}",
+        }
+    else:
+        info = {"name": policy.controller, "version": None, "source": "cli"}
+    return policy, info, None
+
+
+def build_state(engine: Any, settings: ServerSettings, policy_info: dict[str, Any] | None = None) -> ServerState:
+    """Engine thread + metrics + shared state over a loaded engine (the thread is started by the app's lifespan)."""
+    et = EngineThread(
+        engine,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        max_tokens_limit=settings.max_tokens_limit,
+        initial_policy_info=policy_info,
+    )
+    state: ServerState
+    metrics = ServerMetrics(
+        snapshot=lambda: et.stats_snapshot,
+        policy_info=lambda: et.policy_snapshot[1],
+        health=lambda: (state.healthy(), state.draining),
+        device=getattr(engine, "device", None),
+    )
+    et.metrics = metrics
+    state = ServerState(et, settings, metrics)
+    return state
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run ``confkv serve`` until SIGTERM / Ctrl-C; returns the exit status."""
+    from confkv.engine.engine import LLMEngine
+
+    settings = settings_from_args(args)
+    policy, info, resolved = build_policy(args)
+    config = make_engine_config(
+        {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "kv_cache_memory": args.kv_cache_memory,
+            "max_batch_size": args.max_batch_size,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_model_len,
+            "seed": args.seed,
+            "cache_dir": args.cache_dir,
+        }
+    )
+    logging.getLogger("confkv").setLevel(args.log_level.upper())
+    t0 = time.perf_counter()
+    engine = LLMEngine(config, policy)
+    log.warning(
+        "model %s loaded in %.1fs on %s; policy %s; KV pool %.1f MiB",
+        args.model,
+        time.perf_counter() - t0,
+        getattr(engine, "device", "?"),
+        info,
+        engine.pool.total_bytes / 2**20 if hasattr(engine, "pool") else float("nan"),
+    )
+    state = build_state(engine, settings, info)
+    watchers: list[Any] = []
+
+    @asynccontextmanager
+    async def lifespan(_: Any):  # type: ignore[no-untyped-def]
+        state.engine_thread.start()
+        if args.policy_file:
+            w = PolicyFileWatcher(
+                args.policy_file, state.engine_thread, interval_s=settings.policy_poll_s, overrides=args.overrides
+            )
+            w.start()
+            watchers.append(w)
+        if resolved is not None:
+            watchers.append(
+                follow_registry(
+                    args.policy,
+                    state.engine_thread,
+                    registry_url=args.registry_url,
+                    interval_s=settings.policy_poll_s,
+                    current_version=resolved.version,
+                )
+            )
+        try:
+            yield
+        finally:
+            for w in watchers:
+                w.stop()
+            await asyncio.get_running_loop().run_in_executor(None, state.engine_thread.stop)
+
+    app = create_app(state, lifespan=lifespan)
+    if settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "listening on %s: reachable from the network%s",
+            settings.host,
+            "" if settings.api_key else ", with no API key",
+        )
+    uv_config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        access_log=getattr(args, "access_log", False),
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+    )
+    server = DrainingServer(uv_config, state)
+    server.run()
+    if not server.started:
+        raise ConfkvError(f"could not listen on {settings.host}:{settings.port} (is the port in use?)")
+    return 0

@@ -1,0 +1,231 @@
+"""Prometheus metrics for the server, all named ``confkv:...`` and spelled as vLLM spells its own where one exists.
+
+Three sources, each read where it is cheap and safe:
+
+* The engine's own counters and gauges (``LLMEngine.stats()``: pool use, evictions, recalls, breaker trips, policy
+  swaps ...) are copied into a snapshot by the engine thread after every step, and a custom ``Collector`` turns the
+  snapshot into metric families at scrape time. A scrape therefore never touches the engine from the HTTP thread,
+  and counters stay monotonic because the engine's are.
+* Per-token and per-request distributions (signals, resident KV, TTFT, inter-token and end-to-end latency, token
+  counts, finish reasons) are observed by the engine thread from each step's outputs.
+* Device memory through NVML (``nvidia-ml-py``, imported as ``pynvml``), only when the engine runs on CUDA and the
+  package is installed; on a CPU machine those metrics are absent rather than zero.
+
+Each server gets its own ``CollectorRegistry`` so several apps (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+#: kinds of request errors counted by ``confkv:request_errors``; zero-initialised so every series exists.
+ERROR_KINDS: tuple[str, ...] = (
+    "bad_request",
+    "unauthorized",
+    "not_found",
+    "too_large",
+    "unavailable",
+    "engine",
+    "internal",
+)
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
+
+#: gauges read from ``engine.stats()``: metric name -> (stats key, help)
+ENGINE_GAUGES: dict[str, tuple[str, str]] = {
+    "confkv:num_requests_running": ("running", "Requests in the running batch."),
+    "confkv:num_requests_waiting": ("waiting", "Requests waiting to be scheduled."),
+    "confkv:kv_cache_usage_perc": ("pool_usage", "Fraction of the device KV pool in use (1 = full)."),
+    "confkv:kv_cache_used_blocks": ("pool_used_blocks", "KV pool blocks in use."),
+    "confkv:kv_cache_blocks": ("pool_blocks", "KV pool blocks in all."),
+    "confkv:kv_cache_used_bytes": ("pool_used_bytes", "Bytes of the device KV pool in use."),
+    "confkv:kv_cache_total_bytes": ("pool_total_bytes", "Bytes of the device KV pool."),
+    "confkv:kv_cache_committed_blocks": ("committed_blocks", "KV blocks promised to admitted requests."),
+    "confkv:host_cache_used_bytes": ("host_used_bytes", "Bytes of evicted KV held in the host tier."),
+    "confkv:breaker_tripped": ("breaker_tripped", "1 while the circuit breaker holds sequences at their floor."),
+}
+#: counters read from ``engine.stats()`` (monotonic there): metric name (without _total) -> (stats key, help)
+ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
+    "confkv:evicted_blocks": ("evicted_blocks", "KV blocks moved from the device to the host tier."),
+    "confkv:recalled_blocks": ("recalled_blocks", "KV blocks brought back from the host tier."),
+    "confkv:recall_hits": ("recall_hits", "Recall queries that brought back at least one block."),
+    "confkv:recall_queries": ("recall_queries", "Recall queries (hit rate = recall_hits / recall_queries)."),
+    "confkv:budget_expansions": ("expansions", "Times a sequence's KV budget grew (uncertain steps)."),
+    "confkv:budget_contractions": ("contractions", "Times a sequence's KV budget shrank."),
+    "confkv:budget_expansions_refused": ("refused_expansions", "Budget expansions refused for lack of free blocks."),
+    "confkv:breaker_trips": ("breaker_trips", "Circuit-breaker trips (pool use above the high watermark)."),
+    "confkv:num_preemptions": ("preemptions", "Sequences preempted for memory (resumed by recomputation)."),
+    "confkv:recomputed_tokens": ("recomputed_tokens", "Tokens recomputed after preemption or recall."),
+    "confkv:engine_steps": ("steps", "Engine steps (forward passes)."),
+    "confkv:policy_swaps": ("policy_swaps", "Cache-policy swaps applied while serving."),
+    "confkv:policy_swaps_refused": ("policy_swaps_refused", "Cache-policy swaps refused (invalid or corrupt)."),
+}
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 11.0)
+_GAP_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+_RESIDENT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class EngineCollector(Collector):
+    """Turns the engine thread's latest ``stats()`` snapshot, policy and health into metric families at scrape."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]],
+        policy_info: Callable[[], dict[str, Any]],
+        health: Callable[[], tuple[bool, bool]],
+    ) -> None:
+        self._snapshot = snapshot
+        self._policy_info = policy_info
+        self._health = health
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # unchecked collector: families are produced at collect time
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._snapshot() or {}
+        for name, (key, doc) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0) or 0))
+        for name, (key, doc) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0) or 0))
+        info = self._policy_info() or {}
+        fam = GaugeMetricFamily(
+            "confkv:policy_info", "The cache policy in force (value 1).", labels=["name", "version", "source"]
+        )
+        fam.add_metric([str(info.get("name", "")), str(info.get("version") or ""), str(info.get("source", ""))], 1.0)
+        yield fam
+        healthy, draining = self._health()
+        yield GaugeMetricFamily("confkv:healthy", "1 while /health answers 200.", value=1.0 if healthy else 0.0)
+        yield GaugeMetricFamily("confkv:draining", "1 after SIGTERM, while requests drain.", value=float(draining))
+
+
+class NvmlCollector(Collector):
+    """Device memory of the engine's GPU from NVML; the handle is found by UUID so CUDA_VISIBLE_DEVICES is honoured."""
+
+    def __init__(self, device_index: int) -> None:
+        import pynvml
+        import torch
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        self._label = str(device_index)
+        handle = None
+        try:
+            uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        except Exception:
+            handle = None
+        self._handle = handle if handle is not None else pynvml.nvmlDeviceGetHandleByIndex(device_index)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+        except Exception as err:  # a driver hiccup must not break the whole scrape
+            log.warning("NVML read failed: %s", err)
+            return
+        for name, doc, value in (
+            ("confkv:device_memory_used_bytes", "Device memory in use (NVML, all processes).", mem.used),
+            ("confkv:device_memory_total_bytes", "Device memory in all (NVML).", mem.total),
+            ("confkv:device_utilization_perc", "GPU utilisation over the last sample period (NVML, 0..1).", None),
+        ):
+            fam = GaugeMetricFamily(name, doc, labels=["device"])
+            fam.add_metric([self._label], float(value) if value is not None else util.gpu / 100.0)
+            yield fam
+
+
+def make_nvml_collector(device: Any) -> NvmlCollector | None:
+    """An NVML collector for a CUDA device, or None on CPU / without nvidia-ml-py / without a driver."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return None
+    try:
+        import torch
+
+        index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
+        return NvmlCollector(int(index))
+    except ImportError:
+        log.warning("running on CUDA without nvidia-ml-py: device memory metrics are off (pip install nvidia-ml-py)")
+    except Exception as err:
+        log.warning("NVML unavailable, device memory metrics are off: %s", err)
+    return None
+
+
+class ServerMetrics:
+    """Every metric of one server; observation methods are called from the engine thread (prometheus_client locks)."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]],
+        policy_info: Callable[[], dict[str, Any]],
+        health: Callable[[], tuple[bool, bool]],
+        device: Any = None,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ttft = Histogram(
+            "confkv:time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "confkv:inter_token_latency_seconds",
+            "Time between two generated tokens of one request.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "confkv:e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.entropy = Histogram(
+            "confkv:token_entropy_nats",
+            "Entropy of the next-token distribution at each generated token.",
+            buckets=_ENTROPY_BUCKETS,
+            registry=r,
+        )
+        self.gap = Histogram(
+            "confkv:token_top1_gap",
+            "Top-1 minus top-2 probability at each generated token.",
+            buckets=_GAP_BUCKETS,
+            registry=r,
+        )
+        self.resident = Histogram(
+            "confkv:resident_kv_tokens",
+            "KV tokens a sequence attended over on the device, per generated token.",
+            buckets=_RESIDENT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("confkv:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("confkv:generation_tokens", "Generated tokens.", registry=r)
+        self.request_success = Counter(
+            "confkv:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.request_errors = Counter(
+            "confkv:request_errors", "Failed requests by kind (4xx kinds, engine, internal).", ["kind"], registry=r
+        )
+        for reason in FINISH_REASONS:
+            self.request_success.labels(reason)
+        for kind in ERROR_KINDS:
+            self.request_errors.labels(kind)
+        r.register(EngineCollector(snapshot, policy_info, health))
+        nvml = make_nvml_collector(device) if device is not None else None
+        if nvml is not None:
+            r.register(nvml)
+
+    def error(self, kind: str) -> None:
+        self.request_errors.labels(kind if kind in ERROR_KINDS else "internal").inc()

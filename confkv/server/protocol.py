@@ -1,0 +1,323 @@
+"""Request and response bodies in OpenAI's shapes (the subset confkv serves), as pydantic models.
+
+Numbers and booleans are strict (``"5"`` is not a max_tokens, ``"yes"`` not a bool) so a wrong type is a 400 that
+names the field rather than a silent coercion. Unknown fields are ignored as OpenAI-compatible servers do (clients
+send ``user``, ``metadata`` ...), but fields whose meaning confkv cannot honour (``n`` > 1, tools, penalties, logit
+bias, JSON mode) are refused by :func:`unsupported` instead of being dropped without a word.
+
+Two extra body fields carry confkv's own features: ``cache_policy`` (per-request overrides of cache-policy keys,
+validated by the engine) and ``session_id`` (reserved for the session tier: accepted and echoed). ``top_k``,
+``ignore_eos`` and ``stop_token_ids`` are vLLM's extra sampling fields, accepted the same way.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SInt = Annotated[int, Field(strict=True)]
+SFloat = Annotated[float, Field(strict=True)]
+SBool = Annotated[bool, Field(strict=True)]
+SStr = Annotated[str, Field(strict=True)]
+
+#: OpenAI allows 4 stop strings; vLLM more. A bound keeps the per-token hold-back check cheap.
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: SBool = False
+
+
+class _SamplingFields(BaseModel):
+    """What completions and chat share: sampling, streaming and confkv's extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: SStr
+    max_tokens: Annotated[int | None, Field(strict=True, ge=1)] = None
+    temperature: Annotated[float | None, Field(strict=True, ge=0, le=2)] = None
+    top_p: Annotated[float | None, Field(strict=True, gt=0, le=1)] = None
+    top_k: Annotated[int | None, Field(strict=True, ge=-1)] = None
+    seed: SInt | None = None
+    stop: SStr | list[SStr] | None = None
+    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
+    ignore_eos: SBool = False
+    n: Annotated[int, Field(strict=True, ge=1)] = 1
+    stream: SBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: SFloat | None = None
+    frequency_penalty: SFloat | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: SStr | None = None
+    cache_policy: dict[str, Any] | None = Field(None, description="per-request cache-policy overrides")
+    session_id: Annotated[str | None, Field(strict=True, min_length=1, max_length=256)] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bound_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def common_unsupported(self) -> tuple[str, str] | None:
+        if self.n != 1:
+            return "n", "only n=1 is supported"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                return name, f"{name} is not supported (only 0)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
+    def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+        """Keyword arguments for ``SamplingParams`` (validated again there; ``max_tokens`` None = fill in later)."""
+        out: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": max(0, self.top_k or 0),
+            "stop": self.stop_list(),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.seed is not None:
+            out["seed"] = self.seed
+        if max_tokens is not None:
+            out["max_tokens"] = max_tokens
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: one prompt (text or token ids)."""
+
+    prompt: SStr | list[SStr] | list[SInt] | list[list[SInt]]
+    logprobs: Annotated[int | None, Field(strict=True, ge=0, le=MAX_LOGPROBS)] = None
+    echo: SBool = False
+    suffix: SStr | None = None
+    best_of: SInt | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        return self.common_unsupported()
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request; a batch of prompts is refused (n=1 servers batch across requests)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise ValueError("prompt is empty")
+        if all(isinstance(x, int) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if len(p) != 1:
+            raise ValueError("only one prompt per request is supported; send one request per prompt")
+        return p[0] if isinstance(p[0], str) else list(p[0])  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: SStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: SStr | list[TextPart] | None = None
+    name: SStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``: the whole message list goes through the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int | None, Field(strict=True, ge=1)] = None
+    logprobs: SBool = False
+    top_logprobs: Annotated[int | None, Field(strict=True, ge=0, le=MAX_LOGPROBS)] = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool calling is not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format type 'text' is supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+        return self.common_unsupported()
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's current name) wins over the deprecated ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Plain ``{"role", "content"}`` dicts for ``apply_chat_template``; OpenAI's ``developer`` is ``system``."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ----------------------------------------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class _Envelope(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    session_id: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    #: confkv's own per-request KV statistics (resident tokens, evictions, recalls), beside OpenAI's fields.
+    kv: dict[str, Any] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    kv: dict[str, Any] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Envelope):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "confkv"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail

@@ -1,0 +1,102 @@
+"""``confkv serve``'s flags and the settings object the server runs with.
+
+Kept free of heavy imports (no FastAPI, no torch) so that ``confkv --help`` and argument errors stay instant; the
+server itself is imported only once the flags are known to be good.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: vLLM's defaults where they exist; the loopback host keeps a fresh server off the network until asked.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+
+
+class ServerSettings(BaseModel):
+    """What the HTTP side needs to know; the engine's own settings live in ``EngineConfig`` and ``CachePolicy``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = DEFAULT_HOST
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    served_model_name: str = Field("confkv", min_length=1)
+    api_key: str | None = Field(None, description="bearer token required on /v1/* when set")
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="request bodies above this get 413")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="prompts above this get 400 (default: context)")
+    max_tokens_limit: int | None = Field(None, ge=1, description="max_tokens above this gets 400 (default: context)")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: how long running requests may finish")
+    policy_poll_s: float = Field(2.0, gt=0, description="how often --policy-file / the registry are checked")
+    health_stale_s: float = Field(60.0, gt=0, description="a step running longer than this makes /health 503")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve-only flags (``cli._add_model_args`` adds --model, --device, --dtype, --kv-cache-memory, --cache-dir).
+
+    ``--policy`` (alias ``--cache-policy``) takes a built-in controller name or a registry reference
+    (``registry://NAME@ALIAS``); vLLM's spelling ``--max-num-seqs`` is accepted for ``--max-batch-size``.
+    """
+    p.add_argument(
+        "--policy",
+        "--cache-policy",
+        dest="policy",
+        default=None,
+        help="dynamic (default), full, window, streaming, h2o, snapkv, or registry://NAME@ALIAS (followed live)",
+    )
+    p.add_argument("--policy-file", default=None, help="YAML policy file, watched and reloaded when it changes")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one policy key at start (repeatable)",
+    )
+    p.add_argument("--registry-url", default=None, help="policy registry database URL (default: the store's)")
+    p.add_argument(
+        "--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=32, help="sequences per step"
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (prefill + decode)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST}: loopback only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("CONFKV_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONFKV_API_KEY; unset = open)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (default 4 MiB)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: the context)")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: the context)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM lets running requests finish")
+    p.add_argument("--policy-poll-interval", type=float, default=2.0, help="seconds between policy source checks")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """Flags to settings; a bad value becomes one ``ConfkvError`` naming the flag's field."""
+    from pydantic import ValidationError
+
+    from confkv.config import format_validation_error
+    from confkv.errors import ConfkvError
+
+    try:
+        return ServerSettings(
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name or args.model,
+            api_key=args.api_key or None,
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens_limit=args.max_tokens_limit,
+            shutdown_grace_s=args.shutdown_grace,
+            policy_poll_s=args.policy_poll_interval,
+        )
+    except ValidationError as err:
+        raise ConfkvError(format_validation_error(err, "server setting")) from None
