@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--policy-file", action="append", default=[], help="also measure this YAML policy")
     bench.add_argument("--out", required=True, help="output folder")
     bench.add_argument("--seed", type=int, default=0)
+
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (streaming, /metrics)")
+    _add_model_args(serve)
+    from confkv.server.settings import add_serve_arguments
+
+    add_serve_arguments(serve)
     return parser
 
 
@@ -227,6 +233,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from confkv.server.main import serve
+
+    return serve(args)
+
+
 def quiet_libraries(verbose: bool = False) -> None:
     """Log warnings only and hide transformers' loading bars: the CLIs print their own results and errors."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
@@ -253,7 +265,7 @@ def run_command(
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries(args.verbose)
-    commands = {"generate": cmd_generate, "score": cmd_score, "bench": cmd_bench}
+    commands = {"generate": cmd_generate, "score": cmd_score, "bench": cmd_bench, "serve": cmd_serve}
     return run_command("confkv", commands[args.command], args)
 
 
