@@ -9,7 +9,12 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: venv test test-fast run demo bench lint format clean
+.PHONY: venv test test-fast run demo bench serve hf-serve-env serve-load lint format clean
+
+# promtool (Prometheus' rule checker) from Debian's prometheus package: the server tests check deploy/ with it.
+PROMTOOL := $(BIN)/promtool
+PORT ?= 8080
+HF_VENV := .venv-hf
 
 venv: $(STAMP)
 
@@ -21,8 +26,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+$(PROMTOOL): | $(STAMP)
+	@if command -v promtool >/dev/null 2>&1; then ln -sf "$$(command -v promtool)" $@; else \
+	  tmp=$$(mktemp -d) && ( cd $$tmp && { apt-get download prometheus >/dev/null 2>&1 || \
+	    { apt-get update >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && \
+	    dpkg -x prometheus_*.deb x ) && cp $$tmp/x/usr/bin/promtool $@; rm -rf $$tmp; \
+	  test -x $@ || echo "warning: could not fetch promtool (apt-get download prometheus); deploy/ checks will skip"; fi
+
 ## Unit tests on tiny-random plus the integration tests on smollm2-135m.
-test: $(STAMP)
+test: $(STAMP) $(PROMTOOL)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -44,6 +56,24 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/confkv bench --model $(MODEL) --suite quick --out bench-out/quick-$(MODEL)
 
+## The OpenAI-compatible server on the default model (http://127.0.0.1:$(PORT)/v1, /metrics, /health).
+serve: $(STAMP)
+	$(BIN)/confkv serve --model $(MODEL) --cache-policy dynamic --port $(PORT)
+
+## transformers' own server (`transformers serve`) in a separate environment, for the load-test comparison.
+hf-serve-env: $(HF_VENV)/.installed
+
+$(HF_VENV)/.installed:
+	$(PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/pip install --quiet --upgrade pip
+	$(HF_VENV)/bin/pip install --quiet "$(TORCH_SPEC)" 'transformers[serving]'
+	touch $@
+
+## Load test: N streaming clients for T seconds against confkv (full and dynamic) and transformers serve.
+serve-load: $(STAMP) $(HF_VENV)/.installed
+	$(BIN)/python benchmarks/serve_load.py --model $(MODEL) --target confkv --policies full,dynamic
+	$(BIN)/python benchmarks/serve_load.py --model $(MODEL) --target transformers --hf-python $(HF_VENV)/bin/python
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -53,4 +83,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(HF_VENV) build *.egg-info .pytest_cache .ruff_cache
