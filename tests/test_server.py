@@ -131,7 +131,7 @@ def test_chat_uses_the_template_over_all_turns_and_echoes_session_id(client):
     assert out.model_extra["session_id"] == "s-42"
 
 
-def test_streamed_text_equals_non_streamed(client):
+def test_streamed_text_equals_non_streamed(client, offline):
     for i in range(3):
         whole = client.chat.completions.create(model=MODEL, messages=chat(i), max_tokens=40, temperature=0)
         stream = client.chat.completions.create(
@@ -149,7 +149,16 @@ def test_streamed_text_equals_non_streamed(client):
         prompt = f"Completion prompt {i}:"
         whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
         streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stream=True)
-        assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+        assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text == offline[i].text
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The same greedy completions from the offline engine in this process: the server adds and drops nothing."""
+    from confkv import LLM, SamplingParams
+
+    llm = LLM(model=MODEL, kv_cache_memory="16MiB")
+    return llm.generate([f"Completion prompt {i}:" for i in range(3)], SamplingParams(max_tokens=30))
 
 
 def test_stop_strings_cut_the_text_streamed_or_not(client):

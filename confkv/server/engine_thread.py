@@ -478,8 +478,8 @@ class EngineThread:
             res = out.output
             error = getattr(out, "error", None) or getattr(res, "error", None)
             if res is not None:
-                live.detok.add(ids)
-                text = live.detok.finish(res.text)
+                text = live.detok.add(ids)  # what this last token releases, then the rest of the engine's text
+                text += live.detok.finish(res.text)
                 reason = res.finish_reason or "stop"
                 generated, kv = len(res.token_ids), res.kv
             else:

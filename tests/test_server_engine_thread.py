@@ -1,0 +1,159 @@
+"""The engine thread in-process over a scripted fake engine (no model): one request failing inside the engine ends
+alone, an exception escaping ``step()`` fails only the requests in flight, and an idle thread sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from confkv.config import CachePolicy
+from confkv.engine.params import SamplingParams
+from confkv.errors import ConfkvError
+from confkv.model_loader import tiny_random_tokenizer
+from confkv.server.engine_thread import EngineThread, GenerateRequest, RequestRejected
+
+
+@dataclass
+class Out:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    output: object = None
+    error: str | None = None
+
+
+@dataclass
+class Final:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    kv: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+class FakeEngine:
+    """Each request emits the bytes of "ok" one step at a time; a prompt starting with "fail" errors at step 2,
+    one starting with "boom" makes the whole ``step()`` raise once."""
+
+    def __init__(self) -> None:
+        self.tokenizer = tiny_random_tokenizer()
+        self.max_model_len = 256
+        self.policy = CachePolicy(controller="full")
+        self.reqs: dict[str, dict] = {}
+        self.steps = 0
+        self.unfinished_calls = 0
+
+    def stats(self) -> dict:
+        return {"running": len(self.reqs), "waiting": 0, "steps": self.steps}
+
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, **kw) -> None:
+        text = self.tokenizer.decode(prompt)
+        if text.startswith("bad"):
+            raise ConfkvError("prompt is bad")
+        self.reqs[rid] = {"todo": list(self.tokenizer("ok!")["input_ids"]), "done": [], "text": text}
+
+    def has_unfinished_requests(self) -> bool:
+        self.unfinished_calls += 1
+        return bool(self.reqs)
+
+    def abort_request(self, rid: str):
+        r = self.reqs.pop(rid, None)
+        return None if r is None else Final(self.tokenizer.decode(r["done"]), r["done"], "abort")
+
+    def step(self) -> list[Out]:
+        self.steps += 1
+        if any(r["text"].startswith("boom") for r in self.reqs.values()):
+            for r in self.reqs.values():
+                r["text"] = "-"
+            raise RuntimeError("kaboom")
+        outs = []
+        for rid, r in list(self.reqs.items()):
+            if r["text"].startswith("fail") and len(r["done"]) == 1:
+                del self.reqs[rid]
+                outs.append(Out(rid, [], True, Final("", r["done"], "error", error="bad luck"), error="bad luck"))
+                continue
+            tok = r["todo"].pop(0)
+            r["done"].append(tok)
+            if not r["todo"]:
+                del self.reqs[rid]
+                outs.append(Out(rid, [tok], True, Final(self.tokenizer.decode(r["done"]), r["done"], "length")))
+            else:
+                outs.append(Out(rid, [tok], False))
+        return outs
+
+
+async def collect(et: EngineThread, rid: str, prompt: str) -> tuple[str, str | None, str | None]:
+    stream = et.submit(GenerateRequest(rid, {"max_tokens": 8}, prompt=prompt), asyncio.get_running_loop())
+    await asyncio.wrap_future(stream.accepted)
+    text = ""
+    while True:
+        ev = await asyncio.wait_for(stream.queue.get(), 5)
+        text += ev.text
+        if ev.finished:
+            return text, ev.finish_reason, ev.error
+
+
+@pytest.fixture
+def thread():
+    engine = FakeEngine()
+    et = EngineThread(engine)
+    et.start()
+    yield et, engine
+    et.stop()
+
+
+def test_a_failing_request_fails_alone(thread):
+    et, _ = thread
+
+    async def main():
+        return await asyncio.gather(collect(et, "a", "fail me"), collect(et, "b", "fine"))
+
+    (_, ra, ea), (tb, rb, eb) = asyncio.run(main())
+    assert (ra, ea) == ("error", "bad luck")
+    assert (tb, rb, eb) == ("ok!", "length", None)
+
+
+def test_a_step_exception_fails_the_batch_but_the_thread_serves_on(thread):
+    et, _ = thread
+
+    async def main():
+        first = await asyncio.gather(collect(et, "x", "boom"), collect(et, "y", "other"))
+        again = await collect(et, "z", "after")
+        return first, again
+
+    first, again = asyncio.run(main())
+    assert all(r == "error" and "kaboom" in e for _, r, e in first)
+    assert again == ("ok!", "length", None)
+    assert et.alive and et.healthy(60)
+
+
+def test_rejected_requests_raise_before_streaming(thread):
+    et, _ = thread
+
+    async def main():
+        stream = et.submit(GenerateRequest("r", {"max_tokens": 8}, prompt="bad prompt"), asyncio.get_running_loop())
+        await asyncio.wrap_future(stream.accepted)
+
+    with pytest.raises(ConfkvError, match="prompt is bad"):
+        asyncio.run(main())
+
+    async def too_many():
+        req = GenerateRequest("t", {"max_tokens": 1000}, prompt="fine")
+        await asyncio.wrap_future(et.submit(req, asyncio.get_running_loop()).accepted)
+
+    with pytest.raises(RequestRejected) as err:
+        asyncio.run(too_many())
+    assert err.value.param == "max_tokens"
+
+
+def test_an_idle_thread_sleeps_on_its_inbox(thread):
+    et, engine = thread
+    time.sleep(0.2)
+    calls, steps = engine.unfinished_calls, engine.steps
+    time.sleep(1.5)
+    assert engine.steps == steps  # no step without work
+    assert engine.unfinished_calls - calls <= 4  # woken about once a second, not spinning
+    assert et.healthy(60)
