@@ -106,6 +106,17 @@ def test_incremental_detokenizer_matches_full_decode_and_holds_back_stop_prefixe
     assert d.finish(text[: text.index("END")]) == text[len(sent) : text.index("END")]
 
 
+def test_serve_flags(capsys):
+    from confkv.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "8", "--cache-policy", "full", "--port", "9"])
+    assert (args.max_batch_size, args.policy, args.port, args.host) == (8, "full", 9, "127.0.0.1")
+    assert main(["serve", "--model", MODEL, "--policy", "clever"]) == 2
+    assert "unknown policy 'clever'" in capsys.readouterr().err
+    assert main(["serve", "--model", MODEL, "--port", "70000"]) == 2
+    assert "port" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------ the routes
 def test_health_models_and_completion(server, client):
     assert server.request("GET", "/health") == (200, {"status": "ok"})

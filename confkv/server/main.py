@@ -160,13 +160,12 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("confkv").setLevel(args.log_level.upper())
     t0 = time.perf_counter()
     engine = LLMEngine(config, policy)
-    log.warning(
-        "model %s loaded in %.1fs on %s; policy %s; KV pool %.1f MiB",
-        args.model,
-        time.perf_counter() - t0,
-        getattr(engine, "device", "?"),
-        info,
-        engine.pool.total_bytes / 2**20 if hasattr(engine, "pool") else float("nan"),
+    pool_mib = engine.pool.total_bytes / 2**20 if hasattr(engine, "pool") else float("nan")
+    print(
+        f"confkv: model {args.model} loaded in {time.perf_counter() - t0:.1f}s on {getattr(engine, 'device', '?')}; "
+        f"policy {info['name']} (version {info['version']}, from {info['source']}); KV pool {pool_mib:.1f} MiB",
+        file=sys.stderr,
+        flush=True,
     )
     state = build_state(engine, settings, info)
     watchers: list[Any] = []
