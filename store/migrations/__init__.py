@@ -1,0 +1,1 @@
+"""Alembic migrations of the registry schema, shipped inside the package and run by ``store.db.upgrade``."""

@@ -1,0 +1,1 @@
+"""Alembic revision scripts (Alembic itself skips this file)."""
