@@ -95,8 +95,13 @@ def load_policy_file(path: str | Path) -> CachePolicy:
     """Read a YAML file whose top-level ``cache_policy:`` mapping holds the policy's keys.
 
     A folder (an exported learned policy) is read through its ``policy.yaml``; a relative ``learned_path`` is
-    taken relative to the YAML file, so exported folders can be moved.
+    taken relative to the YAML file, so exported folders can be moved. A ``registry://NAME@ALIAS`` (or
+    ``@VERSION``) reference is resolved through the policy registry (``store.refs``).
     """
+    if isinstance(path, str) and path.startswith("registry://"):
+        from store.refs import resolve_ref
+
+        return resolve_ref(path).policy
     p = Path(path)
     if p.is_dir():
         p = p / "policy.yaml"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,11 @@ class LLM:
     ``policy`` is a controller name (``"dynamic"``, ``"full"``, ...) or a ``CachePolicy``; ``policy_file`` a YAML
     file with a ``cache_policy:`` mapping; any other keyword that names a policy key (``max_size=2048``) overrides
     it. ``kv_cache_memory`` sizes the device pool in bytes (``"1GiB"``); unset, a quarter of free memory.
+
+    ``policy_file`` may be a registry reference (``"registry://NAME@production"``, see ``store.refs``): the
+    version the alias points at is loaded, and unless ``policy_watch_interval_s`` is None a ``PolicyWatcher``
+    follows the alias (polling at that interval; at once on PostgreSQL's NOTIFY) and hands each new version to
+    the engine, which swaps it in between two steps. ``close()`` stops the watcher.
     """
 
     def __init__(
@@ -42,9 +48,19 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
         loaded: LoadedModel | None = None,
+        registry_url: str | None = None,
+        policy_watch_interval_s: float | None = 5.0,
         **policy_overrides: Any,
     ) -> None:
-        cache_policy = resolve_policy(policy, policy_file, policy_overrides or None)
+        self.policy_watcher = None
+        resolved = None
+        registry_ref = isinstance(policy_file, str) and policy_file.startswith("registry://")
+        if registry_ref and not isinstance(policy, CachePolicy):
+            from store.watcher import registry_policy
+
+            resolved, cache_policy = registry_policy(policy_file, policy, policy_overrides, registry_url)
+        else:
+            cache_policy = resolve_policy(policy, policy_file, policy_overrides or None)
         config = make_engine_config(
             {
                 "model": model,
@@ -60,6 +76,25 @@ class LLM:
         )
         self.engine = LLMEngine(config, cache_policy, loaded=loaded)
         self._batches = itertools.count()
+        if resolved is not None:
+            self.engine.policy_info = {"name": resolved.name, "version": str(resolved.version), "source": resolved.ref}
+            if policy_watch_interval_s is not None and resolved.alias is not None:
+                from store.watcher import watch_engine
+
+                self.policy_watcher = watch_engine(
+                    self.engine, resolved, controller=policy, overrides=policy_overrides,
+                    registry_url=registry_url, interval_s=policy_watch_interval_s,
+                )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop following a registry alias (nothing else needs closing)."""
+        watcher, self.policy_watcher = getattr(self, "policy_watcher", None), None
+        if watcher is not None:
+            watcher.stop()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()
 
     @property
     def tokenizer(self):
