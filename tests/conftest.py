@@ -15,6 +15,15 @@ def fresh_tiny(seed: int = 0) -> LoadedModel:
     return load_model("tiny-random", device=CPU, seed=seed)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _registry_in_a_temporary_folder(tmp_path_factory: pytest.TempPathFactory):
+    """``confkv-tune train`` registers its result: keep every test out of the user's own policy registry."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CONFKV_REGISTRY_URL", f"sqlite:///{tmp_path_factory.mktemp('registry') / 'registry.db'}")
+    yield
+    mp.undo()
+
+
 @pytest.fixture
 def tiny() -> LoadedModel:
     return fresh_tiny()

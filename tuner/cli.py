@@ -1,12 +1,21 @@
-"""``confkv-tune``: learn the CONF-KV policy, evaluate it on held-out items, compare, export.
+"""``confkv-tune``: learn the CONF-KV policy, evaluate it on held-out items, compare, register, promote, export.
 
     confkv-tune train --algo {ppo,sac,optuna} --model M [--workload mixed] (--timesteps N | --trials N) --out DIR
+                      [--register-as NAME | --no-register]
     confkv-tune eval POLICY --workload NAME --split heldout
     confkv-tune compare --policy optuna=DIR/policy.yaml --policy ppo=DIR2/policy --out DIR3
-    confkv-tune export RUN_ID --out PATH
+    confkv-tune register NAME (--policy-file F | --artifact DIR | --run RUN_ID)
+    confkv-tune policies list | policies show NAME[@VERSION|@ALIAS]
+    confkv-tune promote NAME VERSION [--alias production] [--reason TEXT] [--check WORKLOAD] [--force]
+    confkv-tune rollback NAME [--alias production]
+    confkv-tune export NAME@ALIAS|NAME@VERSION|RUN_ID --out PATH
 
-POLICY is a YAML policy file, an exported policy folder, a built-in policy name, or ``default`` (the
-requirement's dynamic rule, sized for the episodes). User errors print one line on stderr and exit with 2.
+POLICY is a YAML policy file, an exported policy folder, a ``registry://NAME@ALIAS`` reference, a built-in policy
+name, or ``default`` (the requirement's dynamic rule, sized for the episodes). ``train`` registers its result as
+a new version (no alias) in the policy registry (``store``; see ``tuner.registry_cli``). ``export`` reads the
+registry when its argument has an ``@`` (or is ``registry://...``), and an MLflow run's exported policy otherwise.
+User errors print one line on stderr and exit with 2; the registry's refusals (a missing version, a promotion
+the gate refuses) exit with 1.
 """
 
 from __future__ import annotations
@@ -55,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--study", default=None, help="optuna study name (default confkv-<model>-<workload>)")
     train.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///mlflow.db)")
     train.add_argument("--out", required=True)
+    train.add_argument(
+        "--register-as",
+        default=None,
+        metavar="NAME",
+        help="registry policy to add the result to as a new version (default <model>-<workload>)",
+    )
+    train.add_argument("--no-register", action="store_true", help="do not add the result to the policy registry")
+    train.add_argument("--registry-url", default=None, help="policy registry (default $CONFKV_REGISTRY_URL or the "
+                       "SQLite file ~/.local/share/confkv/registry.db)")  # fmt: skip
 
     ev = sub.add_parser("eval", help="evaluate a policy on a workload split")
     ev.add_argument("policy", help="YAML file, exported folder, built-in name, or 'default'")
@@ -68,10 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--split", choices=["train", "heldout"], default="heldout")
     cmp_.add_argument("--out", required=True)
 
-    ex = sub.add_parser("export", help="copy a run's exported policy out of MLflow")
-    ex.add_argument("run", help="MLflow run id")
-    ex.add_argument("--out", required=True)
+    ex = sub.add_parser("export", help="write a registered version (NAME@ALIAS, NAME@VERSION) or an MLflow run's "
+                        "policy as a policy file or folder")  # fmt: skip
+    ex.add_argument(
+        "run",
+        metavar="NAME@ALIAS|NAME@VERSION|RUN_ID",
+        help="a registry version (anything with '@', or registry://...), else an MLflow run id",
+    )
+    ex.add_argument("--out", required=True, help="YAML file (rule policies) or folder")
     ex.add_argument("--tracking-uri", default=None)
+    ex.add_argument("--registry-url", default=None, help="policy registry (default $CONFKV_REGISTRY_URL or the "
+                    "SQLite file ~/.local/share/confkv/registry.db)")  # fmt: skip
+
+    from tuner.registry_cli import add_registry_commands
+
+    add_registry_commands(sub)
     return parser
 
 
@@ -102,8 +131,8 @@ def resolve_policy_arg(spec: str, base: CachePolicy) -> CachePolicy:
 
         return baseline_policy(base, spec)
     path = Path(spec)
-    if path.exists():
-        return load_policy_file(path)
+    if path.exists() or spec.startswith("registry://"):
+        return load_policy_file(spec)
     raise ConfkvError(f"policy {spec!r} is neither a file, an exported folder, nor one of default, "
                       f"{', '.join(BUILTIN_POLICIES)}")  # fmt: skip
 
@@ -154,9 +183,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             include={"base_size", "max_size", "min_recent", "compact_interval"}).items()},
     }  # fmt: skip
     policy_dir = out / "policy"
+    lineage: dict[str, Any] = {}
     with mlflow_run(args.tracking_uri, f"{args.algo}-{args.model}-{args.workload}", params) as run:
         if args.algo == "optuna":
-            policy = _train_optuna(args, data, weights, out, log_metrics)
+            policy = _train_optuna(args, data, weights, out, log_metrics, lineage)
             policy_dir.mkdir(exist_ok=True)
             import yaml
 
@@ -174,13 +204,56 @@ def cmd_train(args: argparse.Namespace) -> int:
             "seconds": round(time.perf_counter() - t0, 1),
             "train": _summary(final),
         }
+        if not args.no_register:
+            summary["registry"] = _register_result(args, run.info.run_id, policy_dir, final, lineage)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
     return 0
 
 
-def _train_optuna(args: argparse.Namespace, data: Any, weights: Any, out: Path, log_metrics: Any) -> CachePolicy:
-    from tuner.search import best_policy, search
+def default_policy_name(model: str, workload: str) -> str:
+    """The registry policy a training result joins unless ``--register-as`` names one: ``<model>-<workload>``."""
+    import re
+
+    stem = Path(model).name.removesuffix(".gguf") or "model"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{stem}-{workload}").strip("-._")[:128] or "policy"
+
+
+def _register_result(
+    args: argparse.Namespace, run_id: str, policy_dir: Path, final: dict[str, Any], lineage: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Add the trained policy to the registry (no alias) and tag the MLflow run with the version.
+
+    Training has already succeeded and is in MLflow when this runs, so a registry failure is reported, not fatal:
+    the result can be registered later with ``confkv-tune register NAME --run RUN_ID``.
+    """
+    from store.registry import Registry
+    from tuner.tracking import set_tags
+
+    name = args.register_as or default_policy_name(args.model, args.workload)
+    try:
+        reg = Registry(args.registry_url)
+        info = reg.register(
+            name, policy_dir, model=args.model, mlflow_run_id=run_id, optuna_study=lineage.get("optuna_study"),
+            optuna_trial=lineage.get("optuna_trial"),
+            description=f"confkv-tune train --algo {args.algo} --workload {args.workload}",
+        )  # fmt: skip
+        reg.add_evaluation(name, info.version, args.workload, "train", final, model=args.model)
+    except ConfkvError as err:
+        print(f"confkv-tune: warning: the result was not registered ({err}); register it later with "
+              f"`confkv-tune register {name} --run {run_id}`", file=sys.stderr)  # fmt: skip
+        return None
+    set_tags({"confkv.registry.policy": name, "confkv.registry.version": info.version,
+              "confkv.registry.ref": f"registry://{info.ref}"})  # fmt: skip
+    print(f"registered {info.ref} in {reg.url}", file=sys.stderr)
+    return {"name": name, "version": info.version, "ref": f"registry://{info.ref}", "url": reg.url}
+
+
+def _train_optuna(
+    args: argparse.Namespace, data: Any, weights: Any, out: Path, log_metrics: Any, lineage: dict[str, Any]
+) -> CachePolicy:
+    from tuner.search import best_policy, best_trial, search
+    from tuner.tracking import set_tags
 
     storage = args.storage or f"sqlite:///{(out / 'optuna.db').resolve()}"
     study_name = args.study or f"confkv-{Path(args.model).name}-{args.workload}-{args.objectives}"
@@ -211,6 +284,9 @@ def _train_optuna(args: argparse.Namespace, data: Any, weights: Any, out: Path, 
         fig.tight_layout()
         fig.savefig(out / "optuna_trials.png", dpi=110)
         plt.close(fig)
+    lineage.update(optuna_study=study_name, optuna_trial=best_trial(study).number)
+    set_tags({"confkv.optuna_study": study_name, "confkv.optuna_trial": lineage["optuna_trial"],
+              "confkv.optuna_storage": storage})  # fmt: skip
     return best_policy(study, data.base_policy)
 
 
@@ -319,12 +395,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from tuner.registry_cli import export_registry, is_registry_target
     from tuner.tracking import download_policy
 
+    if is_registry_target(args.run):
+        return export_registry(args)
     try:
         path = download_policy(args.run, args.out, args.tracking_uri)
     except Exception as err:  # MLflow raises several types for an unknown run or artifact
-        raise ConfkvError(f"cannot export run {args.run!r}: {str(err).splitlines()[0]}") from None
+        raise ConfkvError(f"cannot export run {args.run!r}: {str(err).splitlines()[0]} "
+                          "(a registered policy is named NAME@ALIAS or NAME@VERSION)") from None  # fmt: skip
     load_policy_file(path)  # it must load
     print(str(path))
     return 0
@@ -338,7 +418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    commands = {"train": cmd_train, "eval": cmd_eval, "compare": cmd_compare, "export": cmd_export}
+    from tuner import registry_cli as rc
+
+    commands = {
+        "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare, "export": rc.wrap_exit1(cmd_export),
+        "register": rc.wrap_exit1(rc.cmd_register), "policies": rc.wrap_exit1(rc.cmd_policies),
+        "promote": rc.wrap_exit1(rc.cmd_promote), "rollback": rc.wrap_exit1(rc.cmd_rollback),
+    }  # fmt: skip
     return run_command("confkv-tune", commands[args.command], args, user_errors=(ValueError,))
 
 

@@ -110,13 +110,16 @@ def evaluate_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def best_policy(study: optuna.Study, base: CachePolicy) -> CachePolicy:
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
+    """The trial whose knobs become the policy (its number is recorded as the registry version's lineage)."""
     if len(study.directions) > 1:
         # the Pareto point with the least memory among those within 10% of the lowest KL
         front = study.best_trials
         lowest = min(t.values[1] for t in front)
         ok = [t for t in front if t.values[1] <= lowest * 1.1 + 1e-6]
-        trial = min(ok, key=lambda t: t.values[0])
-    else:
-        trial = study.best_trial
-    return policy_from_params(base, trial.params)
+        return min(ok, key=lambda t: t.values[0])
+    return study.best_trial
+
+
+def best_policy(study: optuna.Study, base: CachePolicy) -> CachePolicy:
+    return policy_from_params(base, best_trial(study).params)

@@ -70,3 +70,19 @@ def download_policy(run_id: str, out: str | Path, tracking_uri: str | None) -> P
     out.mkdir(parents=True, exist_ok=True)
     path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="policy", dst_path=str(out))
     return Path(path)
+
+
+def get_run(run_id: str, tracking_uri: str | None) -> Any:
+    """An MLflow run (its params and tags carry the model and the Optuna study a policy came from)."""
+    _quiet()
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri or DEFAULT_TRACKING_URI)
+    return mlflow.get_run(run_id)
+
+
+def set_tags(tags: dict[str, Any]) -> None:
+    """Tag the active run (``confkv-tune train`` records the registry version it created)."""
+    import mlflow
+
+    mlflow.set_tags({k: str(v) for k, v in tags.items()})
