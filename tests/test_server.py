@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import openai
@@ -19,6 +20,8 @@ MODEL = "tiny-random"
 MAX_PROMPT = 2000
 MAX_TOKENS_LIMIT = 1000
 BODY_LIMIT = 65536
+#: 128 blocks of 16 tokens: the 32 concurrent requests do not all fit at once, so some wait (none may fail)
+POOL = "512KiB"
 
 #: Every metric the issue names (family names: the parser drops counters' ``_total``).
 REQUIRED_METRICS = {
@@ -52,7 +55,7 @@ REQUIRED_METRICS = {
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess(
-        "--model", MODEL, "--kv-cache-memory", "16MiB", "--max-batch-size", "32",
+        "--model", MODEL, "--kv-cache-memory", POOL, "--max-batch-size", "32",
         "--max-prompt-tokens", str(MAX_PROMPT), "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
         "--max-body-bytes", str(BODY_LIMIT),
     )  # fmt: skip
@@ -226,8 +229,25 @@ def test_32_concurrent_streams_get_what_each_gets_alone(server, client):
         finally:
             await aclient.close()
 
-    together = asyncio.run(run_all())
+    peak = {"waiting": 0.0, "usage": 0.0}
+    done = threading.Event()
+
+    def sample() -> None:  # the pool holds fewer than 32 of these at once: some must wait, none may fail
+        while not done.is_set():
+            m = metrics(server)
+            peak["waiting"] = max(peak["waiting"], value(m, "confkv:num_requests_waiting"))
+            peak["usage"] = max(peak["usage"], value(m, "confkv:kv_cache_usage_perc"))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        together = asyncio.run(run_all())
+    finally:
+        done.set()
+        sampler.join()
     assert together == alone
+    assert peak["waiting"] > 0 and peak["usage"] > 0.5, peak
 
 
 def test_metrics_carry_every_named_metric_and_move(server, client):
