@@ -121,6 +121,8 @@ def run_gate(
 
     result = GateResult(name, alias, workload, model, side(cand.version), None, dict(weights.__dict__))
     result.seen_version = seen
+    if seen == cand.version:
+        result.note = f"{name}@{alias} already points at the candidate"
     if cur is not None:
         try:
             result.current = side(cur.version)
