@@ -77,7 +77,12 @@ class PolicyWatcher:
         return self._registry
 
     def check_now(self) -> bool:
-        """Look at the reference now; call ``on_change`` (and return True) if it moved to a version that loads."""
+        """Look at the reference now; call ``on_change`` (and return True) if it moved to a version that loads.
+
+        A version that does not load (or that ``on_change`` refuses with a ``ConfkvError``) goes to ``on_refused``
+        and False is returned. Registry errors (unreachable, alias removed) are raised to a direct caller; the
+        watcher's own thread logs them and tries again at the next interval.
+        """
         from store.refs import validate_policy
 
         with self._check_lock:
