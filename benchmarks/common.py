@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from confkv.bench.suite import git_commit
-from confkv.model_loader import LoadedModel, load_model
+from confkv.model_loader import LoadedModel, load_model, resolve_device
 
 #: Eight chat prompts of different lengths, the same for engine and Hugging Face runs.
 PROMPTS = [
@@ -40,7 +40,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 def setup(args: argparse.Namespace) -> tuple[torch.device, dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     env = {
         "model": args.model,
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),

@@ -31,6 +31,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_chunk_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per engine step: a long prompt is read (and, under an evicting policy, trimmed) in such chunks",
+    )
+
+
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
@@ -57,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a continuation of one prompt and report its KV statistics")
     _add_model_args(gen)
+    _add_chunk_arg(gen)
     _add_policy_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -73,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     score = sub.add_parser("score", help="score a text teacher-forced under a policy (perplexity and KV use)")
     _add_model_args(score)
+    _add_chunk_arg(score)
     _add_policy_args(score)
     score.add_argument("--text-file", required=True, help="the text to score ('-' for stdin)")
     score.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
@@ -125,6 +136,7 @@ def _make_llm(args: argparse.Namespace, max_batch_size: int = 1):
         policy_file=args.policy_file,
         kv_cache_memory=args.kv_cache_memory,
         max_batch_size=max_batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
         dtype=args.dtype,
         seed=getattr(args, "seed", 0),
@@ -224,6 +236,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         policies,
         policy_files=args.policy_file,
         device=args.device,
+        dtype=args.dtype,
+        cache_dir=args.cache_dir,
+        kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
         progress=sys.stderr.isatty(),
         log=lambda line: print(line, file=sys.stderr),

@@ -41,6 +41,13 @@ class CachePolicy(BaseModel):
     compact_interval: int = Field(50, ge=1, description="tokens between budget contractions")
     host_cache_memory: ByteSize = Field(ByteSize(2 * 1024**3), description="bytes of host memory for evicted blocks")
     memory_high_watermark: float = Field(0.9, gt=0, le=1, description="pool use that trips the circuit breaker")
+    memory_low_watermark: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="pool use the breaker shrinks back under and where admission of evicting policies stops "
+        "(default: memory_high_watermark - 0.1)",
+    )
     snapkv_window: int = Field(32, ge=1, description="prompt queries that vote for the tokens snapkv keeps")
     importance: Literal["attention", "recency"] = Field(
         "attention", description="how dynamic ranks blocks to evict: attention received, or age"
@@ -52,6 +59,11 @@ class CachePolicy(BaseModel):
     def _check_ranges(self) -> CachePolicy:
         if self.controller not in CONTROLLER_NAMES:
             raise ValueError(f"controller must be one of {', '.join(CONTROLLER_NAMES)} (got {self.controller!r})")
+        if self.memory_low_watermark is not None and self.memory_low_watermark > self.memory_high_watermark:
+            raise ValueError(
+                f"memory_low_watermark ({self.memory_low_watermark}) must be <= memory_high_watermark "
+                f"({self.memory_high_watermark})"
+            )
         if self.controller == "learned" and not self.learned_path:
             raise ValueError("controller 'learned' needs learned_path: the folder of an exported policy")
         if self.controller not in ("dynamic", "learned"):  # the fixed baselines only use max_size
@@ -64,6 +76,13 @@ class CachePolicy(BaseModel):
                 f"({self.max_size}) for the dynamic controller"
             )
         return self
+
+    @property
+    def low_watermark(self) -> float:
+        """``memory_low_watermark``, or a tenth of the pool below the high mark."""
+        if self.memory_low_watermark is not None:
+            return self.memory_low_watermark
+        return max(self.memory_high_watermark * 0.5, self.memory_high_watermark - 0.1)
 
     def replace(self, **changes: Any) -> CachePolicy:
         """A validated copy with some fields changed (``model_copy`` would skip validation)."""

@@ -90,6 +90,17 @@ class Controller(ABC):
     def update(self, state: BudgetState, s: StepSignals) -> BudgetState:
         return replace(state, uncertain=self.is_uncertain(s), steps=state.steps + 1)
 
+    def adopt(self, state: BudgetState) -> BudgetState:
+        """The state a running sequence carries into this controller when the policy is swapped under it.
+
+        A fixed policy has one budget, so only the step count carries over; ``dynamic`` keeps the budget.
+        """
+        return replace(self.init_state(), steps=state.steps)
+
+    def derive(self, policy: CachePolicy) -> Controller:
+        """A controller for a variant of this policy (a request's overrides), sharing anything already loaded."""
+        return make_controller(policy)
+
 
 class FullController(Controller):
     """The reference: every token stays on the device."""
@@ -158,6 +169,13 @@ class DynamicController(Controller):
 
     def init_state(self) -> BudgetState:
         return BudgetState(budget=float(self.policy.base_size))
+
+    def clamp(self, budget: float) -> float:
+        return min(float(self.policy.max_size), max(float(self.policy.base_size), budget))
+
+    def adopt(self, state: BudgetState) -> BudgetState:
+        """Keep the running budget, clamped to this policy's ``[base_size, max_size]`` (a full cache's: max)."""
+        return replace(self.init_state(), budget=self.clamp(state.budget), uncertain=state.uncertain, steps=state.steps)
 
     def update(self, state: BudgetState, s: StepSignals) -> BudgetState:
         p = self.policy

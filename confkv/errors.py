@@ -12,3 +12,7 @@ class ConfkvError(ValueError):
 
 class ModelNotFoundError(ConfkvError):
     """The requested model name or folder cannot be resolved locally (nothing is ever fetched from a hub)."""
+
+
+class UnsupportedModelError(ConfkvError):
+    """The model does something in attention that confkv does not implement; refused at load, never run wrong."""

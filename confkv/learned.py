@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from confkv.config import CachePolicy
-from confkv.controllers import BudgetState, DynamicController, StepSignals
+from confkv.controllers import BudgetState, Controller, DynamicController, StepSignals
 from confkv.errors import ConfkvError
 
 OBS_VERSION = 1
@@ -194,6 +194,11 @@ class LearnedController(DynamicController):
     def init_state(self) -> LearnedState:
         p = self.policy
         return LearnedState(budget=float(p.base_size), knobs=(p.entropy_threshold, p.gap_threshold, p.scaling_factor))
+
+    def derive(self, policy: CachePolicy) -> Controller:
+        if policy.controller == "learned" and policy.learned_path == self.policy.learned_path:
+            return LearnedController(policy, self.mlp)
+        return super().derive(policy)
 
     def update(self, state: BudgetState, s: StepSignals) -> LearnedState:
         st = state if isinstance(state, LearnedState) else self.init_state()

@@ -62,6 +62,19 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return Path(root)
 
 
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The one device rule every entry point uses: the one asked for, else CUDA when present, else the CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ConfkvError(f"unknown device {device!r}: {err}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfkvError(f"device {device!r} asked for, but this torch build sees no CUDA device")
+    return dev
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype != "auto":
         return getattr(torch, dtype)
@@ -171,9 +184,17 @@ def _from_folder(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
 
 
 def load_model(
-    name: str, *, device: torch.device, dtype: str = "auto", cache_dir: str | None = None, seed: int = 0
+    name: str,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str = "auto",
+    cache_dir: str | None = None,
+    seed: int = 0,
 ) -> LoadedModel:
-    """Resolve ``name`` (see the module docstring), load model and tokenizer, and move the model to ``device``."""
+    """Resolve ``name`` (see the module docstring), load model and tokenizer, and move the model to ``device``
+    (``resolve_device``: default CUDA when present) in ``dtype`` (``resolve_dtype``: default bf16/fp16 on CUDA,
+    fp32 on the CPU)."""
+    device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     if name == TINY_RANDOM:
         model, tokenizer = tiny_random_model(seed).to(torch_dtype), tiny_random_tokenizer()

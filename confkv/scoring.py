@@ -129,12 +129,19 @@ class ItemState:
     index: int
     item: ScoreItem
     seq: Sequence
-    controller: Controller
     rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     last: dict[str, torch.Tensor] = field(default_factory=dict)
     chunk_resident: list[int] = field(default_factory=list)
     budgets: list[float] = field(default_factory=list)
     done: bool = False
+
+    @property
+    def controller(self) -> Controller:
+        return self.seq.controller
+
+    @controller.setter
+    def controller(self, value: Controller) -> None:
+        self.seq.controller = value
 
     def add(self, **tensors: torch.Tensor) -> None:
         for key, value in tensors.items():
@@ -159,7 +166,7 @@ class Scorer:
         full = -(-n // bs)
         if not c.evicts:
             return full
-        peak = int(c.max_budget) + self._chunk() + bs
+        peak = int(c.max_budget) + max(self._chunk(), e.config.max_num_batched_tokens) + bs
         if not c.evicts_during_prefill:
             peak = max(peak, prompt + bs)
         return min(full, -(-peak // bs) + 2)
@@ -202,15 +209,15 @@ class Scorer:
             prompt=None,
             prompt_token_ids=prompt,
             params=SamplingParams(max_tokens=len(item.token_ids) - item.score_from),
-            kv=e.manager.open(seq_id, state.budget),
+            kv=e.manager.open(seq_id, controller, state.budget),
             ctrl=state,
             status=Status.RUNNING,
         )
-        return ItemState(index=index, item=item, seq=seq, controller=controller)
+        return ItemState(index=index, item=item, seq=seq)
 
     def _step(self, active: list[ItemState], keep_topk: int) -> list[ItemState]:
         """One forward pass over every active item; returns the items that scored rows (``done`` when finished)."""
-        e, c, manager = self.engine, self.engine.controller, self.engine.manager
+        e, manager = self.engine, self.engine.manager
         # each prompt is read in chunks of max_num_batched_tokens, whatever else runs: chunk boundaries decide
         # which queries vote for importance, so the same item is scored the same alone or in any batch
         prompt_chunk = e.config.max_num_batched_tokens
@@ -220,7 +227,7 @@ class Scorer:
         for st in active:
             seq = st.seq
             if not seq.prompt_done:
-                n = min(seq.num_uncomputed, prompt_chunk, manager.max_chunk(seq.kv))
+                n = min(seq.num_uncomputed, prompt_chunk)
             else:
                 end = min(len(seq.token_ids) + self._chunk(), len(st.item.token_ids) - 1)
                 seq.token_ids.extend(st.item.token_ids[len(seq.token_ids) : end])
@@ -232,10 +239,13 @@ class Scorer:
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens != 1)
         chunks = [chunks[i] for i in order]
         owners = [owners[i] for i in order]
-        capture = set()
-        if c.recalls:
-            capture = {ch.seq.seq_id for ch in chunks if ch.samples and e.host.has_blocks(ch.seq.seq_id)}
-        res = e.runner.run(chunks, c, capture=capture, all_rows=continuation)
+        capture = {
+            ch.seq.seq_id
+            for ch in chunks
+            if ch.samples and ch.seq.controller.recalls and e.host.has_blocks(ch.seq.seq_id)
+        }
+        res = e.runner.run(chunks, capture=capture, all_rows=continuation)
+        e.runner.commit(res)
         signals = confidence_signals(res.logits) if res.logits.shape[0] else None
         host = signals.stacked().cpu() if signals is not None else None
 

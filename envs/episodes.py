@@ -14,10 +14,8 @@ and references from the on-disk store shared with ``confkv bench``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from confkv.bench.reference import ReferenceStore, build_references
 from confkv.bench.workloads import make_workload
@@ -64,9 +62,11 @@ class TuneData:
     episodes: list[Episode]
     workload: str
     split: str
+    #: Engine settings for every engine built on this data (``kv_cache_memory``, ``max_num_batched_tokens``).
+    engine: dict[str, Any] = field(default_factory=dict)
 
     def llm(self, policy: CachePolicy | None = None, **engine: Any) -> LLM:
-        return LLM(self.model, policy or self.base_policy, loaded=self.loaded, **engine)
+        return LLM(self.model, policy or self.base_policy, loaded=self.loaded, **{**self.engine, **engine})
 
 
 def default_base_policy(model: str) -> CachePolicy:
@@ -85,14 +85,18 @@ def build_episodes(
     base_policy: CachePolicy | None = None,
     loaded: LoadedModel | None = None,
     device: str | None = None,
+    dtype: str = "auto",
+    cache_dir: str | None = None,
+    kv_cache_memory: int | str | None = None,
     sizes: dict[str, dict[str, Any]] | None = None,
 ) -> TuneData:
     if workload not in TUNE_WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(TUNE_WORKLOADS)}")
-    loaded = loaded or load_model(model, device=torch.device(device or "cpu"), seed=seed)
+    loaded = loaded or load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
+    engine = {"kv_cache_memory": kv_cache_memory} if kv_cache_memory is not None else {}
     sizes = sizes or SIZES["tiny" if model == "tiny-random" else "quick"]
     names = ["prose", "longgen", "chat", "passkey"] if workload == "mixed" else [workload]
-    full = LLM(model, "full", loaded=loaded, seed=seed)
+    full = LLM(model, "full", loaded=loaded, seed=seed, **engine)
     store = ReferenceStore(full)
     tok = loaded.tokenizer
     episodes: list[Episode] = []
@@ -115,4 +119,4 @@ def build_episodes(
         refs = build_references(full, triples, store)
         for it, ref, span in zip(items, refs, spans, strict=True):
             episodes.append(Episode(name, it.item_id, ScoreItem(ref.scored_ids, ref.score_from, ref.topk), span))
-    return TuneData(model, loaded, base_policy or default_base_policy(model), episodes, workload, split)
+    return TuneData(model, loaded, base_policy or default_base_policy(model), episodes, workload, split, engine)

@@ -17,7 +17,7 @@ def test_generate_json_has_every_field(capsys):
     code, out, _ = run_cli(
         capsys, "generate", "--model", "tiny-random", "--policy", "dynamic", "--set", "base_size=32",
         "--set", "max_size=64", "--set", "min_recent=16", "--prompt", "hello there " * 20, "--max-tokens", "12",
-        "--ignore-eos", "--json",
+        "--ignore-eos", "--json", "--max-num-batched-tokens", "32",
     )  # fmt: skip
     assert code == 0
     doc = json.loads(out)
@@ -27,7 +27,7 @@ def test_generate_json_has_every_field(capsys):
     for key in ("peak_resident_tokens", "mean_resident_tokens", "peak_device_bytes", "evicted_blocks",
                 "recalled_blocks", "host_peak_bytes"):  # fmt: skip
         assert key in doc["kv"]
-    assert doc["kv"]["peak_resident_tokens"] <= 64 + 16
+    assert doc["kv"]["peak_resident_tokens"] <= 64 + 32 + 16  # max_size plus one prefill chunk (and a block)
     for sig in ("entropy", "gap", "top1_prob"):
         assert set(doc["signals"][sig]) == {"mean", "min", "max"}
     assert {"prefill_s", "decode_s", "tokens_per_s"} <= doc["timing"].keys()
@@ -40,10 +40,10 @@ def test_policy_file_names_the_controller(capsys, tmp_path):
     prompt.write_text("abc " * 40)
     code, out, _ = run_cli(
         capsys, "generate", "--model", "tiny-random", "--policy-file", str(f), "--prompt-file", str(prompt),
-        "--max-tokens", "20", "--ignore-eos", "--json",
+        "--max-tokens", "20", "--ignore-eos", "--json", "--max-num-batched-tokens", "16",
     )  # fmt: skip
     assert code == 0
-    assert json.loads(out)["kv"]["peak_resident_tokens"] <= 48 + 16
+    assert json.loads(out)["kv"]["peak_resident_tokens"] <= 48 + 16 + 16
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,7 @@ def test_host_tier_lru_bytes_and_drop():
 def _manager(policy: CachePolicy, num_blocks: int = 64) -> tuple[CacheManager, BlockPool, HostTier]:
     pool = make_pool(num_blocks)
     host = HostTier(1 << 30)
-    return CacheManager(pool, host, make_controller(policy), scaling=D**-0.5), pool, host
+    return CacheManager(pool, host, scaling=D**-0.5), pool, host
 
 
 def _fill(pool: BlockPool, mgr: CacheManager, kv, n_tokens: int) -> None:
@@ -78,7 +78,7 @@ def _fill(pool: BlockPool, mgr: CacheManager, kv, n_tokens: int) -> None:
 def test_eviction_keeps_sinks_and_recent_and_recall_restores_data():
     policy = CachePolicy(controller="dynamic", base_size=16, max_size=64, min_recent=8, sink_tokens=4)
     mgr, pool, host = _manager(policy)
-    kv = mgr.open(0, budget=16)
+    kv = mgr.open(0, make_controller(policy), 16)
     _fill(pool, mgr, kv, 40)  # 10 blocks
     used_before = pool.num_used
     moved = mgr.evict_to(kv, 16)
@@ -108,7 +108,7 @@ def test_eviction_keeps_sinks_and_recent_and_recall_restores_data():
 def test_attention_ranking_evicts_least_attended():
     policy = CachePolicy(controller="h2o", max_size=16, min_recent=4, sink_tokens=0)
     mgr, pool, _ = _manager(policy)
-    kv = mgr.open(0, budget=16)
+    kv = mgr.open(0, make_controller(policy), 16)
     _fill(pool, mgr, kv, 32)
     for i, mass in enumerate([5, 0, 9, 1, 7, 0.5, 3, 2]):
         pool.score[pool.slots_of([kv.table.entries[i]])] = mass
@@ -119,8 +119,9 @@ def test_attention_ranking_evicts_least_attended():
 def test_circuit_breaker_floor():
     policy = CachePolicy(controller="dynamic", base_size=32, max_size=64, min_recent=8, sink_tokens=4)
     mgr, pool, _ = _manager(policy)
-    kv = mgr.open(0, budget=64)
+    kv = mgr.open(0, make_controller(policy), 64)
     _fill(pool, mgr, kv, 64)
-    mgr.shrink_to_floor(kv)
-    assert mgr.floor_tokens() == 12
-    assert kv.table.resident_tokens() <= mgr.floor_tokens() + BS
+    mgr.shrink(kv, 0.0)
+    assert mgr.floor_tokens(kv) == 12
+    assert kv.budget == 12  # the breaker lowers the budget itself, so nothing regrows into what it freed
+    assert kv.table.resident_tokens() <= mgr.floor_tokens(kv) + BS

@@ -117,7 +117,7 @@ def test_train_logs_mlflow_and_exports_a_policy_confkv_runs(tmp_path, monkeypatc
     llm = LLM("tiny-random", policy_file=exported)
     out = llm.generate("The exported policy runs here. " * 12, SamplingParams(max_tokens=60, ignore_eos=True))[0]
     assert len(out.token_ids) == 60
-    assert out.kv["peak_resident_tokens"] <= policy.max_size + 16
+    assert max(out.trace.resident[1:]) <= policy.max_size + 16
 
 
 def test_eval_and_errors(capsys):

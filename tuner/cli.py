@@ -37,7 +37,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("CONFKV_MODEL", "smollm2-135m"))
     p.add_argument("--workload", default="mixed", help="mixed (default), prose, longgen, chat, passkey")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory", default=None, help="device KV pool per engine, e.g. 512MiB")
+    p.add_argument("--cache-dir", default=None, help="converted-model cache (default: $CONFKV_CACHE)")
     p.add_argument("--memory-weight", type=float, default=1.0)
     p.add_argument("--quality-weight", type=float, default=2.0)
     p.add_argument("--task-weight", type=float, default=1.0)
@@ -115,7 +118,8 @@ def _data(args: argparse.Namespace, split: str):
 
     if args.workload not in TUNE_WORKLOADS:
         raise ConfkvError(f"unknown workload {args.workload!r}; choose one of {', '.join(TUNE_WORKLOADS)}")
-    return build_episodes(args.model, workload=args.workload, split=split, seed=args.seed, device=args.device)
+    return build_episodes(args.model, workload=args.workload, split=split, seed=args.seed, device=args.device,
+                          dtype=args.dtype, cache_dir=args.cache_dir, kv_cache_memory=args.kv_cache_memory)  # fmt: skip
 
 
 def resolve_policy_arg(spec: str, base: CachePolicy) -> CachePolicy:

@@ -155,7 +155,8 @@ class Evaluator:
     spec: SuiteSpec
     workloads: Workloads
     references: dict[str, list[Reference]]
-    device: str | None = None
+    #: Engine settings every measured engine gets unless a measure sets its own (``device``, ``kv_cache_memory``).
+    engine: dict[str, Any] = field(default_factory=dict)
     progress: bool = False
 
     @classmethod
@@ -167,12 +168,18 @@ class Evaluator:
         split: str = "heldout",
         seed: int = 0,
         device: str | None = None,
+        dtype: str = "auto",
+        cache_dir: str | None = None,
+        kv_cache_memory: int | str | None = None,
         loaded: LoadedModel | None = None,
         reference_root: str | Path | None = None,
         progress: bool = False,
     ) -> Evaluator:
-        loaded = loaded or load_model(model, device=torch.device(device or "cpu"), seed=seed)
-        full = LLM(model, "full", loaded=loaded, device=device, seed=seed)
+        """Load the model (the engine's device rule: ``--device``, else CUDA when present), build the workloads and
+        the full-cache references."""
+        loaded = loaded or load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
+        engine = {"seed": seed, **({"kv_cache_memory": kv_cache_memory} if kv_cache_memory is not None else {})}
+        full = LLM(model, "full", loaded=loaded, **engine)
         wl = build_workloads(loaded.tokenizer, spec, split, seed)
         store = ReferenceStore(full, reference_root)
         refs: dict[str, list[Reference]] = {}
@@ -182,10 +189,10 @@ class Evaluator:
             if name == "prose":
                 triples = [(p, 0, max(1, s or 1)) for p, _, s in triples]
             refs[name] = build_references(full, triples, store, use_tqdm=progress)
-        return cls(loaded, model, spec, wl, refs, device, progress)
+        return cls(loaded, model, spec, wl, refs, engine, progress)
 
     def llm(self, policy: CachePolicy, **engine: Any) -> LLM:
-        return LLM(self.model, policy, loaded=self.loaded, device=self.device, **engine)
+        return LLM(self.model, policy, loaded=self.loaded, **{**self.engine, **engine})
 
     # ----------------------------------------------------------------------------------------------- measures
     def teacher_forced(self, policy: CachePolicy) -> dict[str, Any]:
@@ -317,6 +324,9 @@ def run_suite(
     *,
     policy_files: list[str] | None = None,
     device: str | None = None,
+    dtype: str = "auto",
+    cache_dir: str | None = None,
+    kv_cache_memory: int | str | None = None,
     seed: int = 0,
     spec: SuiteSpec | None = None,
     progress: bool = False,
@@ -326,7 +336,8 @@ def run_suite(
     spec = spec or (TINY if model == "tiny-random" else SUITES[suite])
     chosen = _policy_list(policies, policy_files or [])
     t_start = time.perf_counter()
-    ev = Evaluator.prepare(model, spec, device=device, seed=seed, progress=progress)
+    ev = Evaluator.prepare(model, spec, device=device, dtype=dtype, cache_dir=cache_dir,
+                           kv_cache_memory=kv_cache_memory, seed=seed, progress=progress)  # fmt: skip
     log(f"references ready ({time.perf_counter() - t_start:.0f}s)")
     dynamic = scaled_dynamic(spec.scale)
     # dynamic first: the fixed baselines are sized to its measured memory

@@ -1,47 +1,74 @@
 """The engine loop: ``add_request`` / ``step`` / ``abort_request``, one step per forward pass.
 
-One step: schedule chunks -> run the model over the pool -> confidence signals of the sampling rows -> the
-controller updates each budget -> on expansion the cache manager recalls host blocks and the step is recomputed
-for those sequences (so the token chosen under uncertainty sees the recalled context) -> sample -> stop checks ->
-the cache manager trims every sequence to its budget. ``step`` never blocks on anything but the forward pass, so an
-async server can drive it from its own loop; ``set_policy`` swaps the controller between steps.
+One step: apply a policy swap handed in since the last step -> schedule chunks (admission by what each policy
+keeps) -> run the model over the pool -> commit -> confidence signals of the sampling rows -> each sequence's
+controller updates its budget -> on expansion the cache manager recalls host blocks and the step is recomputed for
+those sequences (so the token chosen under uncertainty sees the recalled context) -> sample -> stop checks -> the
+cache manager trims every sequence to its budget.
+
+A step cannot corrupt state: slots are reserved for the step's tokens before the forward pass and given back if it
+raises; the chunks are then run one by one so that only the request whose chunk fails is finished with an error,
+and every other request continues as if nothing happened. ``step`` never blocks on anything but the forward pass.
+The engine is not thread-safe: one thread steps it; ``request_policy`` and ``record_refused_policy`` are the only
+methods other threads may call.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from confkv.confidence import confidence_signals
 from confkv.config import CachePolicy, EngineConfig
-from confkv.controllers import StepSignals, make_controller
+from confkv.controllers import Controller, StepSignals, make_controller
 from confkv.engine.params import SamplingParams
 from confkv.engine.runner import ForwardResult, ModelRunner
 from confkv.engine.sampler import sample
 from confkv.engine.scheduler import ScheduledChunk, Scheduler
-from confkv.engine.sequence import RequestOutput, Sequence, Status
+from confkv.engine.sequence import RequestOutput, Sequence, Status, TokenLogprobs
 from confkv.errors import ConfkvError
 from confkv.kv import attention
 from confkv.kv.host import HostTier
 from confkv.kv.manager import CacheManager
 from confkv.kv.pool import BlockPool
-from confkv.model_loader import LoadedModel, load_model
+from confkv.model_loader import LoadedModel, load_model, resolve_device
 
 log = logging.getLogger(__name__)
+
+#: Policy keys that size engine-wide resources and so cannot differ per request.
+ENGINE_WIDE_KEYS = frozenset({"block_size", "host_cache_memory", "memory_high_watermark", "memory_low_watermark"})
+#: Keys a request may not set: they would load files named by the client.
+FORBIDDEN_OVERRIDES = frozenset({"learned_path"})
 
 
 @dataclass
 class StepOutput:
-    """What one step did for one request: its new token (if any) and, once finished, the full output."""
+    """What one step did for one request: its new token (if any) and, once finished, the full output.
+
+    ``entropy``, ``gap``, ``top1_prob`` and ``resident`` describe the step that chose the token (for metrics);
+    ``logprob`` is the token's log-probability and ``top_logprobs`` the most likely alternatives when the request
+    asked for them. ``error`` is set when the request failed (alone: the others continue).
+    """
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     output: RequestOutput | None = None
+    error: str | None = None
+    entropy: float | None = None
+    gap: float | None = None
+    top1_prob: float | None = None
+    resident: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 def available_memory(device: torch.device) -> int:
@@ -69,7 +96,10 @@ class LLMEngine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.policy = policy = policy or CachePolicy()
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if loaded is not None and config.device is None:
+            self.device = next(loaded.model.parameters()).device
+        else:
+            self.device = resolve_device(config.device)
         impl = attention.register()
         self.loaded = loaded or load_model(
             config.model, device=self.device, dtype=config.dtype, cache_dir=config.cache_dir, seed=config.seed
@@ -92,44 +122,59 @@ class LLMEngine:
             dtype=dtype,
             device=self.device,
         )
+        scaling = attention.probe(self.model, self.pool, self.model.config.vocab_size)
         self.host = HostTier(policy.host_cache_memory, pin_memory=self.device.type == "cuda")
         self.controller = make_controller(policy)
-        scaling = getattr(self.model.model.layers[0].self_attn, "scaling", head_dim**-0.5)
-        self.manager = CacheManager(self.pool, self.host, self.controller, scaling)
-        self.scheduler = Scheduler(self.manager, config.max_batch_size, config.max_num_batched_tokens)
+        self.manager = CacheManager(self.pool, self.host, scaling)
+        self.scheduler = Scheduler(
+            self.manager,
+            config.max_batch_size,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            policy.memory_high_watermark,
+            policy.low_watermark,
+        )
         self.runner = ModelRunner(self.model, self.pool)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_reruns = 0
+        self.rerun_tokens = 0
+        self.request_errors: Counter[str] = Counter()
+        self.policy_info: dict[str, str | None] = {"name": policy.controller, "version": None, "source": "startup"}
+        self.policy_swaps = 0
+        self.policy_swaps_refused = 0
+        self._lock = threading.Lock()
+        self._pending_policy: tuple[CachePolicy, Controller, dict[str, str | None]] | None = None
 
     # ------------------------------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return self.tokenize_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
+
+    def tokenize_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The model's chat template over a whole conversation, ending with the assistant's turn to speak."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def new_seq_id(self) -> int:
         """A sequence id unique within this engine (requests and scored items share the cache manager)."""
         return next(self._ids)
 
-    def _check_fits(self, n_prompt: int, params: SamplingParams) -> None:
-        bs, c = self.pool.block_size, self.controller
-        total = min(n_prompt + params.max_tokens, self.max_model_len)
-        if not c.evicts:
-            need = -(-total // bs)
-        elif not c.evicts_during_prefill:
-            need = -(-max(n_prompt, int(c.max_budget)) // bs) + 2
-        else:
-            need = -(-min(total, int(c.max_budget)) // bs) + 2
-        if need > self.pool.num_blocks:
-            raise ConfkvError(
-                f"request needs {need} KV blocks under policy {c.name!r} but the pool holds {self.pool.num_blocks} "
-                f"({self.pool.total_bytes / 2**20:.1f} MiB); raise kv_cache_memory or shorten the request"
-            )
+    def controller_for(self, overrides: dict[str, Any] | None) -> Controller:
+        """The engine's controller, or one for the engine's policy with a request's overrides (validated)."""
+        if not overrides:
+            return self.controller
+        bad = sorted((set(overrides) & (ENGINE_WIDE_KEYS | FORBIDDEN_OVERRIDES)) - {"controller"})
+        if bad:
+            raise ConfkvError(f"policy key {bad[0]!r} cannot be set per request (it is engine-wide)")
+        unknown = sorted(set(overrides) - set(CachePolicy.model_fields))
+        if unknown:
+            raise ConfkvError(f"unknown policy key {unknown[0]!r}")
+        if overrides.get("controller") == "learned" and self.policy.controller != "learned":
+            raise ConfkvError("controller 'learned' cannot be chosen per request; serve a learned policy instead")
+        return self.controller.derive(self.policy.replace(**overrides))
 
     def add_request(
         self,
@@ -138,8 +183,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         chat: bool = False,
+        policy_overrides: dict[str, Any] | None = None,
     ) -> None:
-        """Queue a request; bad input raises ``ConfkvError`` and leaves every other request untouched."""
+        """Queue a request; bad input raises ``ConfkvError`` and leaves every other request untouched.
+
+        ``policy_overrides`` changes policy keys for this request only (not the engine-wide ones).
+        """
         params = params or SamplingParams()
         if request_id in self._seqs:
             raise ConfkvError(f"request id {request_id!r} is already in use")
@@ -159,9 +208,9 @@ class LLMEngine:
             raise ConfkvError(
                 f"prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len} tokens"
             )
-        self._check_fits(len(token_ids), params)
+        controller = self.controller_for(policy_overrides)
         seq_id = self.new_seq_id()
-        state = self.controller.init_state()
+        state = controller.init_state()
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.device)
@@ -172,10 +221,20 @@ class LLMEngine:
             prompt=text,
             prompt_token_ids=token_ids,
             params=params,
-            kv=self.manager.open(seq_id, state.budget),
+            kv=self.manager.open(seq_id, controller, state.budget),
             ctrl=state,
             generator=generator,
+            overrides=dict(policy_overrides or {}),
+            logprobs=[] if params.logprobs is not None else None,
         )
+        need = self.scheduler.committed(seq)
+        if need > self.pool.num_blocks:
+            self.manager.close(seq.kv)
+            raise ConfkvError(
+                f"request needs {need} KV blocks under policy {controller.name!r} but the pool holds "
+                f"{self.pool.num_blocks} ({self.pool.total_bytes / 2**20:.1f} MiB); raise kv_cache_memory or "
+                "shorten the request"
+            )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -193,34 +252,113 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def set_policy(self, policy: CachePolicy) -> None:
-        """Replace the controller between steps; running sequences keep their KV and restart its state."""
+    # ------------------------------------------------------------------------------------------------- policy
+    def set_policy(
+        self, policy: CachePolicy, *, source: str = "api", version: str | None = None, name: str | None = None
+    ) -> None:
+        """Swap the policy between steps (call it from the thread that steps the engine).
+
+        What carries over for every live sequence: its KV in every tier, block importance, the applied budget
+        (clamped to the new policy's ``max_size``), the controller's budget (``Controller.adopt``: ``dynamic`` keeps
+        it clamped to its range, fixed policies use their size) and the compaction tick. What resets: a learned
+        controller's knobs and segment. Per-request overrides are re-applied on top of the new policy. A smaller
+        budget is reached by the normal contraction, never by evicting at the swap.
+        """
+        self._swap(policy, self._controller_of(policy), {"name": name or policy.controller, "version": version,
+                                                         "source": source})  # fmt: skip
+
+    def request_policy(
+        self, policy: CachePolicy, *, source: str = "api", version: str | None = None, name: str | None = None
+    ) -> None:
+        """Hand a policy to the engine from any thread; it is built and validated here (a learned policy's
+        network is loaded now, outside any step) and swapped in at the start of the next step."""
+        controller = self._controller_of(policy)
+        with self._lock:
+            self._pending_policy = (policy, controller, {"name": name or policy.controller, "version": version,
+                                                         "source": source})  # fmt: skip
+
+    def record_refused_policy(self, source: str, reason: str) -> None:
+        """Count (and log) a policy that was not swapped in because it failed to load or validate."""
+        with self._lock:
+            self.policy_swaps_refused += 1
+        log.warning("policy from %s refused, keeping the current one: %s", source, reason)
+
+    def _controller_of(self, policy: CachePolicy) -> Controller:
         if policy.block_size != self.policy.block_size:
             raise ConfkvError("a new policy cannot change block_size while the engine runs")
+        return make_controller(policy)
+
+    def _swap(self, policy: CachePolicy, controller: Controller, info: dict[str, str | None]) -> None:
         self.policy = policy
-        self.controller = make_controller(policy)
-        self.manager.controller = self.controller
+        self.controller = controller
+        self.scheduler.set_watermarks(policy.memory_high_watermark, policy.low_watermark)
         for seq in self._seqs.values():
-            seq.ctrl = self.controller.init_state()
-            seq.kv.budget = seq.ctrl.budget
+            c = controller.derive(policy.replace(**seq.overrides)) if seq.overrides else controller
+            seq.ctrl = c.adopt(seq.ctrl)
+            seq.kv.controller = c
+            seq.kv.budget = min(seq.kv.budget, c.max_budget)
+        self.policy_info = info
+        self.policy_swaps += 1
+        log.info("policy swapped to %s (version %s, from %s)", info["name"], info["version"], info["source"])
+
+    def _apply_pending_policy(self) -> None:
+        with self._lock:
+            pending, self._pending_policy = self._pending_policy, None
+        if pending is not None:
+            self._swap(*pending)
 
     # ----------------------------------------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("no request could be scheduled although some are waiting (KV pool too small)")
-            return []
+        self._apply_pending_policy()
+        sched = self.scheduler.schedule()
+        outputs = [self._fail(seq, reason, "too_large") for seq, reason in sched.failed]
+        if not sched.chunks:
+            if self.scheduler.running and not outputs:
+                raise RuntimeError("running requests but nothing scheduled (an engine bug)")
+            return outputs
         self.num_steps += 1
-        c = self.controller
-        capture = set()
-        if c.recalls:
-            capture = {ch.seq.seq_id for ch in chunks if ch.samples and self.host.has_blocks(ch.seq.seq_id)}
-        res = self.runner.run(chunks, c, capture=capture)
+        for chunks, res in self._forward(sched.chunks, outputs):
+            outputs.extend(self._process(chunks, res))
+        return outputs
+
+    def _capture(self, chunks: list[ScheduledChunk]) -> set[int]:
+        """Sequences whose sampling query is kept: those that might recall host blocks this step."""
+        return {
+            ch.seq.seq_id
+            for ch in chunks
+            if ch.samples and ch.seq.kv.controller.recalls and self.host.has_blocks(ch.seq.seq_id)
+        }
+
+    def _forward(
+        self, chunks: list[ScheduledChunk], outputs: list[StepOutput]
+    ) -> list[tuple[list[ScheduledChunk], ForwardResult]]:
+        """Run the pass; if it raises, undo every reservation and run each chunk alone, failing only those that
+        still raise (their failure reaches ``outputs``)."""
+        try:
+            return [(chunks, self.runner.run(chunks, capture=self._capture(chunks)))]
+        except Exception as err:  # any failure of the pass must leave the other requests intact
+            for ch in chunks:
+                if ch.undo is not None:
+                    self.manager.rollback(ch.seq.kv, ch.undo)
+            if len(chunks) == 1:
+                outputs.append(self._fail(chunks[0].seq, f"forward pass failed: {err}", "forward"))
+                return []
+            log.warning("forward pass over %d chunks failed (%s); running them one by one", len(chunks), err)
+        done = []
+        for ch in chunks:
+            ch.undo = self.manager.reserve(ch.seq.kv, ch.num_tokens)
+            try:
+                done.append(([ch], self.runner.run([ch], capture=self._capture([ch]))))
+            except Exception as err:
+                self.manager.rollback(ch.seq.kv, ch.undo)
+                outputs.append(self._fail(ch.seq, f"forward pass failed: {err}", "forward"))
+        return done
+
+    def _process(self, chunks: list[ScheduledChunk], res: ForwardResult) -> list[StepOutput]:
+        self.runner.commit(res)
         for ch, resident in zip(chunks, res.resident, strict=True):
             ch.seq.num_computed += ch.num_tokens
             ch.seq.kv.stats.record_compute(resident, len(ch.seq.kv.table.device_blocks()), generated=False)
-
         outputs: list[StepOutput] = []
         if res.sampling:
             resident_of = {id(ch): r for ch, r in zip(chunks, res.resident, strict=True)}
@@ -228,11 +366,34 @@ class LLMEngine:
         for ch in chunks:
             seq = ch.seq
             if not seq.finished:
-                self.manager.after_step(seq.kv, seq.ctrl.budget, ch.num_tokens, seq.prompt_done)
+                self.manager.after_step(seq.kv, seq.ctrl.budget, ch.num_tokens, seq.prompt_done, self._room(seq))
         return outputs
 
+    def _room(self, seq: Sequence) -> Callable[[], float]:
+        return lambda: self.scheduler.expansion_room(seq)
+
+    def _expand(self, seq: Sequence, budget: float, res: ForwardResult) -> bool:
+        """The controller's budget rose: raise the applied budget as far as memory allows and recall host blocks
+        into it. Returns whether blocks came back (so the step must be recomputed)."""
+        kv, sched = seq.kv, self.scheduler
+        kv.stats.expansions += 1
+        self.manager.expansions += 1
+        if sched.tripped:
+            sched.refused_expansions += 1
+            return False
+        new = min(budget, kv.budget + sched.expansion_room(seq))
+        if new <= kv.budget:
+            sched.refused_expansions += 1
+            return False
+        kv.budget = new
+        row = res.captured.get(seq.seq_id)
+        if row is None or not seq.prompt_done or not kv.prompt_trimmed:
+            return False
+        q = torch.stack([layer_q[row] for layer_q in res.batch.captured_q])
+        lse = torch.stack([layer_lse[row] for layer_lse in res.batch.captured_lse])
+        return bool(self.manager.recall(kv, q, lse))
+
     def _sample(self, res: ForwardResult, resident: list[int]) -> list[StepOutput]:
-        c = self.controller
         sampling = res.sampling
         logits = res.logits
         signals = confidence_signals(logits)
@@ -241,6 +402,7 @@ class LLMEngine:
         rerun: list[int] = []
         for i, ch in enumerate(sampling):
             seq = ch.seq
+            c = seq.kv.controller
             s = StepSignals(
                 host_signals[0][i],
                 host_signals[1][i],
@@ -249,77 +411,118 @@ class LLMEngine:
                 position=len(seq.token_ids),
                 pool_usage=self.pool.usage,
             )
-            state = (seq.controller or c).update(seq.ctrl, s)
-            if state.budget > seq.kv.budget:
-                seq.kv.stats.expansions += 1
+            state = c.update(seq.ctrl, s)
+            if c.evicts and state.budget > seq.ctrl.budget:
                 expanded[i] = True
-                row = res.captured.get(seq.seq_id)
-                if row is not None:
-                    q = torch.stack([layer_q[row] for layer_q in res.batch.captured_q])
-                    lse = torch.stack([layer_lse[row] for layer_lse in res.batch.captured_lse])
-                    seq.kv.budget = state.budget
-                    if self.manager.recall(seq.kv, q, lse):
-                        rerun.append(i)
-                seq.kv.budget = state.budget
+                if self._expand(seq, state.budget, res):
+                    rerun.append(i)
             seq.ctrl = state
         if rerun:
-            # Recompute the uncertain step with the recalled blocks before choosing its token.
-            self.num_reruns += len(rerun)
-            again = []
-            for i in rerun:
-                seq = sampling[i].seq
-                # only tokens of the protected recent window are sure to be resident
-                n = min(self.policy.recompute_tokens, max(1, c.protected_recent), seq.num_computed)
-                again.append(ScheduledChunk(seq, seq.num_computed - n, n))
-            again.sort(key=lambda ch: ch.num_tokens != 1)
-            order = {id(ch.seq): j for j, ch in enumerate(again)}
-            res2 = self.runner.run(again, c, track=False)
-            logits = logits.clone()
-            logits[rerun] = res2.logits[[order[id(sampling[i].seq)] for i in rerun]]
-            signals = confidence_signals(logits)
-            host_signals = signals.stacked().tolist()
-            for i in rerun:
-                resident[i] = res2.resident[order[id(sampling[i].seq)]]
-        tokens = sample(logits, signals, [ch.seq.params for ch in sampling], [ch.seq.generator for ch in sampling])
+            logits, signals, host_signals = self._rerun(sampling, rerun, logits, signals, host_signals, resident)
+        tokens, errors = sample(
+            logits, signals, [ch.seq.params for ch in sampling], [ch.seq.generator for ch in sampling]
+        )
+        chosen_lp = signals.logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        want_top = max((ch.seq.params.logprobs or 0 for ch in sampling), default=0)
+        top = signals.logprobs.topk(want_top, dim=-1) if want_top else None
         token_list = tokens.tolist()
         now = time.perf_counter()
         outputs = []
         for i, ch in enumerate(sampling):
             seq = ch.seq
+            if i in errors:
+                outputs.append(self._fail(seq, errors[i], "sampling"))
+                continue
             tr = seq.trace
             tr.entropy.append(host_signals[0][i])
             tr.gap.append(host_signals[1][i])
             tr.top1_prob.append(host_signals[2][i])
             tr.resident.append(resident[i])
-            tr.budget.append(seq.ctrl.budget if c.evicts else float(resident[i]))
+            tr.budget.append(seq.ctrl.budget if seq.kv.controller.evicts else float(resident[i]))
             tr.expanded.append(expanded[i])
             seq.kv.stats.record_compute(resident[i], len(seq.kv.table.device_blocks()), generated=True)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             token = token_list[i]
             seq.token_ids.append(token)
+            alternatives = None
+            if seq.logprobs is not None:
+                k = seq.params.logprobs or 0
+                alternatives = (
+                    list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist(), strict=True))
+                    if top is not None and k
+                    else []
+                )
+                seq.logprobs.append(TokenLogprobs(token, chosen_lp[i], tuple(alternatives)))
             reason = self._stop_reason(seq, token)
-            out = StepOutput(seq.request_id, [token], finished=reason is not None)
+            out = StepOutput(
+                seq.request_id,
+                [token],
+                finished=reason is not None,
+                entropy=host_signals[0][i],
+                gap=host_signals[1][i],
+                top1_prob=host_signals[2][i],
+                resident=resident[i],
+                logprob=chosen_lp[i],
+                top_logprobs=alternatives,
+            )
             if reason is not None:
                 self._finish(seq, reason)
                 out.output = RequestOutput.from_sequence(seq, self.pool.bytes_per_block)
             outputs.append(out)
         return outputs
 
+    def _rerun(
+        self,
+        sampling: list[ScheduledChunk],
+        rerun: list[int],
+        logits: torch.Tensor,
+        signals: Any,
+        host_signals: list[list[float]],
+        resident: list[int],
+    ) -> tuple[torch.Tensor, Any, list[list[float]]]:
+        """Recompute the uncertain steps with the recalled blocks before their tokens are chosen."""
+        again = []
+        for i in rerun:
+            seq = sampling[i].seq
+            # only tokens of the protected recent window are sure to be resident
+            c = seq.kv.controller
+            n = min(c.policy.recompute_tokens, max(1, c.protected_recent), seq.num_computed)
+            again.append(ScheduledChunk(seq, seq.num_computed - n, n))
+        again.sort(key=lambda ch: ch.num_tokens != 1)
+        order = {id(ch.seq): j for j, ch in enumerate(again)}
+        try:
+            res2 = self.runner.run(again, track=False)
+        except Exception as err:  # the first pass's logits still stand
+            log.warning("recomputing %d recalled steps failed (%s); keeping the first pass", len(again), err)
+            return logits, signals, host_signals
+        self.num_reruns += len(rerun)
+        self.rerun_tokens += sum(ch.num_tokens for ch in again)
+        logits = logits.clone()
+        logits[rerun] = res2.logits[[order[id(sampling[i].seq)] for i in rerun]]
+        signals = confidence_signals(logits)
+        for i in rerun:
+            resident[i] = res2.resident[order[id(sampling[i].seq)]]
+        return logits, signals, signals.stacked().tolist()
+
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.loaded.eos_token_ids):
             return "stop"
-        if p.stop and self._stop_cut(seq) is not None:
+        if p.stop and self._stop_in_tail(seq):
             return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 
-    def _stop_cut(self, seq: Sequence, text: str | None = None) -> int | None:
+    def _stop_in_tail(self, seq: Sequence) -> bool:
+        """Whether a stop string ends in the newest tokens: only the tail is decoded, not the whole output."""
+        width = max(len(s) for s in seq.params.stop) + 8
+        tail = self.tokenizer.decode(seq.output_token_ids[-width:], skip_special_tokens=True)
+        return any(s in tail for s in seq.params.stop)
+
+    def _stop_cut(self, seq: Sequence, text: str) -> int | None:
         """Where the earliest stop string starts in the output text, if one occurs."""
-        if text is None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
         return min(hits) if hits else None
 
@@ -334,23 +537,45 @@ class LLMEngine:
         self.manager.close(seq.kv)
         del self._seqs[seq.request_id]
 
+    def _fail(self, seq: Sequence, reason: str, kind: str) -> StepOutput:
+        """Finish one request with an error of its own; nothing else is touched."""
+        log.warning("request %s failed (%s): %s", seq.request_id, kind, reason)
+        seq.error = reason
+        self.request_errors[kind] += 1
+        self._finish(seq, "error")
+        output = RequestOutput.from_sequence(seq, self.pool.bytes_per_block)
+        return StepOutput(seq.request_id, [], finished=True, output=output, error=reason)
+
     # ---------------------------------------------------------------------------------------------------- stats
-    def stats(self) -> dict[str, float | int]:
-        """Engine-wide gauges and counters (the server's /metrics will read these)."""
+    def stats(self) -> dict[str, Any]:
+        """Engine-wide gauges and counters (counters are monotonic since start; the server's /metrics reads these)."""
+        s, m = self.scheduler, self.manager
         return {
             "pool_blocks": self.pool.num_blocks,
             "pool_used_blocks": self.pool.num_used,
             "pool_usage": self.pool.usage,
             "pool_used_bytes": self.pool.used_bytes,
+            "pool_total_bytes": self.pool.total_bytes,
+            "committed_blocks": s.committed_total(),
             "host_used_bytes": self.host.used_bytes,
             "host_peak_bytes": self.host.peak_bytes,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "evicted_blocks": self.manager.evicted_blocks,
-            "recalled_blocks": self.manager.recalled_blocks,
-            "recall_hits": self.manager.recall_hits,
-            "breaker_trips": self.manager.breaker_trips,
-            "preemptions": self.scheduler.preemptions,
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "evicted_blocks": m.evicted_blocks,
+            "recalled_blocks": m.recalled_blocks,
+            "recall_hits": m.recall_hits,
+            "recall_queries": m.recall_queries,
+            "expansions": m.expansions,
+            "refused_expansions": s.refused_expansions,
+            "contractions": m.contractions,
+            "breaker_trips": s.breaker_trips,
+            "breaker_tripped": s.tripped,
+            "preemptions": s.preemptions,
+            "recomputed_tokens": s.recomputed_tokens + self.rerun_tokens,
             "steps": self.num_steps,
             "reruns": self.num_reruns,
+            "policy_swaps": self.policy_swaps,
+            "policy_swaps_refused": self.policy_swaps_refused,
+            "request_errors": sum(self.request_errors.values()),
+            "request_errors_by_kind": dict(self.request_errors),
         }

@@ -21,6 +21,9 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, description="strings that end the output (not included)")
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="return each generated token's log-probability and this many top alternatives"
+    )
 
     def __init__(self, **data: object) -> None:
         try:

@@ -2,7 +2,9 @@
 
 All tokens of all sequences go in one row with their true positions; a ``PackedBatch`` tells the attention
 function where each token's K/V goes and which resident slots each sequence attends over. Only the rows whose
-logits are needed (the last token of sequences that sample) go through the LM head.
+logits are needed (the last token of sequences that sample) go through the LM head. What each sequence's attention
+records (for block importance) follows that sequence's own controller. The attention mass a pass records reaches the
+pool only when ``commit`` is called after the pass succeeded.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from confkv.controllers import Controller
 from confkv.engine.scheduler import ScheduledChunk
 from confkv.kv.attention import PackedBatch, PrefillSpan
 from confkv.kv.pool import BlockPool
@@ -38,7 +39,6 @@ class ModelRunner:
     def run(
         self,
         chunks: list[ScheduledChunk],
-        controller: Controller,
         *,
         track: bool = True,
         capture: set[int] | None = None,
@@ -47,7 +47,7 @@ class ModelRunner:
         """Forward ``chunks`` (decodes, i.e. single tokens, first).
 
         ``track``: record attention mass for policies that rank blocks by it. ``capture``: sequence ids whose
-        sampling query and log-sum-exp are kept for recall scoring. ``all_logits``: return logits for every
+        sampling query and log-sum-exp are kept for recall scoring. ``all_rows``: return logits for every
         token of these sequences' chunks (teacher-forced scoring), not only the last one of sampling chunks.
         """
         capture = capture or set()
@@ -57,6 +57,7 @@ class ModelRunner:
         slots: list[int] = []
         resident: list[int] = []
         decode_keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        decode_qpos: list[int] = []
         decode_track: list[float] = []
         prefills: list[PrefillSpan] = []
         sample_rows: list[int] = []
@@ -67,7 +68,7 @@ class ModelRunner:
 
         for chunk in chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-            table = seq.kv.table
+            table, controller = seq.kv.table, seq.kv.controller
             row = len(ids)
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
@@ -86,6 +87,7 @@ class ModelRunner:
                 sampling.append(chunk)
             if n == 1:
                 decode_keys.append((key_slots, key_pos))
+                decode_qpos.append(start)
                 decode_track.append(1.0 if track and controller.decode_attention else 0.0)
                 capture_decode = capture_decode or seq.seq_id in capture
             else:
@@ -119,18 +121,24 @@ class ModelRunner:
             nd = len(decode_keys)
             width = max(k.numel() for k, _ in decode_keys)
             key_slots = torch.empty((nd, width), dtype=torch.long, device=device)
+            key_pos = torch.zeros((nd, width), dtype=torch.long, device=device)
             valid = torch.zeros((nd, width), dtype=torch.bool, device=device)
-            for r, (ks, _) in enumerate(decode_keys):
+            for r, (ks, kp) in enumerate(decode_keys):
                 m = ks.numel()
                 key_slots[r, :m] = ks
                 key_slots[r, m:] = ks[-1]  # padding points at a real token; its weight is masked to zero
+                key_pos[r, :m] = kp
                 valid[r, :m] = True
             batch.num_decode = nd
             batch.decode_slots = key_slots
             batch.decode_valid = valid
+            batch.decode_pos = key_pos
+            batch.decode_qpos = torch.tensor(decode_qpos, dtype=torch.long, device=device)
             batch.capture_decode = capture_decode
             if any(decode_track):
                 batch.decode_track = torch.tensor(decode_track, device=device)[:, None]
+        if (batch.decode_track is not None) or any(p.track != "none" for p in prefills):
+            batch.score = torch.zeros_like(self.pool.score)
 
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
@@ -152,3 +160,8 @@ class ModelRunner:
         return ForwardResult(
             logits=out.logits[0], sampling=sampling, batch=batch, resident=resident, captured=captured, spans=spans
         )
+
+    def commit(self, res: ForwardResult) -> None:
+        """Add the attention mass the pass recorded to block importance (only once the pass has succeeded)."""
+        if res.batch.score is not None:
+            self.pool.score.add_(res.batch.score)

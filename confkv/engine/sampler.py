@@ -29,12 +29,17 @@ def sample(
     signals: Signals,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> torch.Tensor:
-    """One token id per row of ``logits`` (``[rows, vocab]``), on the logits' device."""
+) -> tuple[torch.Tensor, dict[int, str]]:
+    """One token id per row of ``logits`` (``[rows, vocab]``), on the logits' device, and the rows that could not
+    be sampled (non-finite logits, say) with the reason: those requests fail alone."""
     tokens = signals.top1_id.clone()
+    errors: dict[int, str] = {}
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue
-        probs = _filtered_logprobs(logits[row], p).exp()
-        tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
-    return tokens
+        try:
+            probs = _filtered_logprobs(logits[row], p).exp()
+            tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
+        except RuntimeError as err:
+            errors[row] = f"sampling failed: {err}"
+    return tokens, errors

@@ -1,24 +1,35 @@
-"""Continuous batching: which sequences run this step, with how many tokens each.
+"""Continuous batching: which sequences run this step, with how many tokens each, and whether a new one fits.
 
 Every step takes up to ``max_num_batched_tokens`` tokens: first one token for each running sequence that is
-decoding (or the next chunk of one still reading its prompt), then new requests, admitted while their first chunk
-fits in free blocks and the batch has room. A request's prompt is read in chunks, so one long prompt never stalls
-the decodes of the others.
+decoding (or the next chunk of one still reading its prompt), then new requests. A prompt is read in chunks, so one
+long prompt never stalls the decodes of the others, and under an evicting policy it is trimmed between chunks.
 
-Memory pressure is handled in two stages. Above ``memory_high_watermark`` pool use, the circuit breaker shrinks
-every running sequence to its floor (sinks plus the recent window, the rest moved to the host tier). If a running
-sequence still cannot get a block, the most recently admitted sequence is preempted: its blocks are freed and it
-goes back to the front of the queue, to be recomputed from its tokens (prompt and output so far) when room returns.
+**Admission by what a policy keeps.** Each running sequence is *committed* the most device blocks it can hold
+before its budget next changes (``CacheManager.projected_blocks``): its whole length under ``full``, its budget plus
+one step (or, while it reads its prompt, ``max_size`` plus one chunk) under an evicting policy. A request is
+admitted only while the commitments fit: under the pool size for policies that keep everything, under the low
+watermark for evicting ones, so the band up to the high watermark stays free for expansions (recall). Memory a
+confident sequence gives up is therefore immediately room for another request, and preemption is the exception.
+
+**Circuit breaker with hysteresis.** When pool use passes ``memory_high_watermark`` (which the commitments should
+prevent: a policy swap or per-request overrides can still get there) the breaker trips once, lowers the budgets of
+the largest evicting sequences toward their floor until use is back under ``memory_low_watermark``, and refuses
+expansions until use is under the low mark. Because it lowers the budgets themselves, nothing regrows into what it
+freed except through the ledger.
+
+**Preemption** is the last resort: if a running sequence still cannot get a block, the most recently admitted
+sequence gives back its blocks and returns to the front of the queue, to be recomputed from its tokens. A request
+that cannot fit even in an empty pool is reported as failed instead of being retried forever.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from confkv.engine.sequence import Sequence, Status
-from confkv.kv.manager import CacheManager
+from confkv.kv.manager import CacheManager, Reservation
 
 
 @dataclass
@@ -26,6 +37,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step
     num_tokens: int
+    undo: Reservation | None = None  # how to give the slots back if the forward pass fails
 
     @property
     def samples(self) -> bool:
@@ -33,17 +45,42 @@ class ScheduledChunk:
         return self.start + self.num_tokens == len(self.seq.token_ids)
 
 
+@dataclass
+class Schedule:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    #: Sequences that can never run (they do not fit in the whole pool), with the reason; the engine fails them.
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(self, manager: CacheManager, max_batch_size: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        manager: CacheManager,
+        max_batch_size: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.8,
+    ) -> None:
         self.manager = manager
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
-        pool = manager.pool
-        self._watermark_blocks = max(1, pool.num_blocks // 100)
+        self.recomputed_tokens = 0
+        self.breaker_trips = 0
+        self.refused_expansions = 0
+        self.tripped = False
+        self.set_watermarks(high_watermark, low_watermark)
 
+    def set_watermarks(self, high: float, low: float) -> None:
+        n = self.manager.pool.num_blocks
+        self.high_blocks = max(1, int(high * n))
+        self.low_blocks = max(1, min(self.high_blocks, int(low * n)))
+
+    # ----------------------------------------------------------------------------------------------- queue
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -56,60 +93,110 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---------------------------------------------------------------------------------------------- ledger
+    def total_tokens(self, seq: Sequence) -> int:
+        return min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+
+    def committed(self, seq: Sequence) -> int:
+        """Blocks the sequence holds now or may hold before its budget next changes."""
+        kv = seq.kv
+        projected = self.manager.projected_blocks(
+            kv, self.total_tokens(seq), seq.num_prompt_tokens, self.max_num_batched_tokens
+        )
+        return max(len(kv.table.device_blocks()), projected)
+
+    def committed_total(self) -> int:
+        return sum(self.committed(s) for s in self.running)
+
+    def expansion_room(self, seq: Sequence) -> float:
+        """Tokens by which ``seq``'s applied budget may rise: what the commitments leave under the high mark."""
+        if self.tripped:
+            return 0.0
+        spare = self.high_blocks - self.committed_total()
+        return max(0, spare) * self.manager.block_size
+
+    # ------------------------------------------------------------------------------------------------ breaker
     def _breaker(self) -> None:
         pool, manager = self.manager.pool, self.manager
-        if pool.usage <= manager.controller.policy.memory_high_watermark or not manager.controller.evicts:
+        if self.tripped and pool.num_used <= self.low_blocks:
+            self.tripped = False
+        if self.tripped or pool.num_used <= self.high_blocks:
             return
-        manager.breaker_trips += 1
-        for seq in self.running:
-            manager.shrink_to_floor(seq.kv)
+        evicting = [s for s in self.running if s.kv.controller.evicts]
+        if not evicting:
+            return
+        self.tripped = True
+        self.breaker_trips += 1
+        for seq in sorted(evicting, key=lambda s: -len(s.kv.table.device_blocks())):
+            if pool.num_used <= self.low_blocks:
+                break
+            manager.shrink(seq.kv, 0.0)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.manager.close(seq.kv)
-        seq.kv = self.manager.open(seq.seq_id, seq.kv.budget)
+        self.recomputed_tokens += seq.num_computed
+        self.manager.reset(seq.kv)
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    # ----------------------------------------------------------------------------------------------- schedule
+    def schedule(self) -> Schedule:
         self._breaker()
         manager, pool = self.manager, self.manager.pool
         budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
+        out = Schedule()
 
         for seq in list(self.running):
             if seq not in self.running:  # preempted while making room for an earlier one
                 continue
             if budget <= 0:
                 break
-            n = min(seq.num_uncomputed, budget, manager.max_chunk(seq.kv))
+            n = min(seq.num_uncomputed, budget)
             while manager.blocks_needed(seq.kv, n) > pool.num_free:
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
+                if len(self.running) == 1:  # alone and still too big: it can never run
+                    self.running.remove(seq)
+                    out.failed.append((seq, self._too_big(seq)))
                     break
-            if seq.status is not Status.RUNNING:
+                self._preempt(self.running[-1])
+                if seq not in self.running:
+                    break
+            if seq not in self.running:
                 continue
-            manager.reserve(seq.kv, n)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, manager.reserve(seq.kv, n)))
             budget -= n
 
+        committed = self.committed_total()
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget, manager.max_chunk(seq.kv))
-            if manager.blocks_needed(seq.kv, n) > pool.num_free - (self._watermark_blocks if self.running else 0):
+            need = self.committed(seq)
+            if need > pool.num_blocks:
+                self.waiting.popleft()
+                out.failed.append((seq, self._too_big(seq)))
+                continue
+            limit = self.low_blocks if seq.kv.controller.evicts else pool.num_blocks
+            if self.running and committed + need > limit:
+                break
+            n = min(seq.num_uncomputed, budget)
+            if manager.blocks_needed(seq.kv, n) > pool.num_free:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
-            manager.reserve(seq.kv, n)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, manager.reserve(seq.kv, n)))
+            committed += need
             budget -= n
         # decodes first: the attention function handles them as one padded batch
-        chunks.sort(key=lambda c: c.num_tokens != 1)
-        return chunks
+        out.chunks.sort(key=lambda c: c.num_tokens != 1)
+        return out
+
+    def _too_big(self, seq: Sequence) -> str:
+        pool = self.manager.pool
+        return (
+            f"the request needs {self.committed(seq)} KV blocks under policy {seq.kv.controller.name!r} but the pool "
+            f"holds {pool.num_blocks} ({pool.total_bytes / 2**20:.1f} MiB)"
+        )

@@ -32,6 +32,15 @@ class Trace:
     expanded: list[bool] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and, if asked for, the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Sequence:
     seq_id: int
@@ -42,15 +51,17 @@ class Sequence:
     kv: SequenceKV
     ctrl: BudgetState
     generator: torch.Generator | None = None
-    #: Overrides the engine's controller for this sequence's budget updates (an RL agent's knobs); eviction
-    #: mechanics (sinks, recent window, ranking) stay the engine's.
-    controller: Controller | None = None
+    #: Policy keys this request overrides (kept so that a policy swap re-applies them to the new policy).
+    overrides: dict[str, Any] = field(default_factory=dict)
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt then output
     num_computed: int = 0
     finish_reason: str | None = None
+    error: str | None = None
     text: str = ""
     trace: Trace = field(default_factory=Trace)
+    #: Per generated token, when ``params.logprobs`` is set: the chosen token's log-probability and the top ones.
+    logprobs: list[TokenLogprobs] | None = None
     preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -60,6 +71,15 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def controller(self) -> Controller:
+        """What sets this sequence's budget and how its blocks are ranked (an RL agent may replace it)."""
+        return self.kv.controller
+
+    @controller.setter
+    def controller(self, value: Controller) -> None:
+        self.kv.controller = value
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,6 +122,8 @@ class RequestOutput:
     signals: dict[str, dict[str, float | None]]
     timing: dict[str, float]
     trace: Trace
+    error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -123,6 +145,10 @@ class RequestOutput:
             "signals": self.signals,
             "timing": self.timing,
         }
+        if self.error is not None:
+            out["error"] = self.error
+        if self.logprobs is not None:
+            out["logprobs"] = [asdict(t) for t in self.logprobs]
         if with_trace:
             out["trace"] = asdict(self.trace)
         return out
@@ -158,4 +184,6 @@ class RequestOutput:
             signals=signals,
             timing=timing,
             trace=seq.trace,
+            error=seq.error,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
         )

@@ -12,12 +12,19 @@ packs every scheduled token of every sequence into one row (``[1, tokens]``) and
 3. prefill chunks: one SDPA call per chunk, causal by true positions; explicit only where the policy records
    prefill attention (H2O's accumulated attention, SnapKV's observation window).
 
-Tokens keep their true positions, so evicting or recalling a block never needs re-rotation.
+Tokens keep their true positions, so evicting or recalling a block never needs re-rotation. Sliding-window layers
+(Mistral, Qwen2 with ``use_sliding_window``) mask keys more than ``sliding_window`` positions back, by true position.
+Attention mass is accumulated into the batch's own buffer and added to the pool by the runner only once the whole
+forward pass has succeeded, so a failed step leaves block importance untouched.
+
+``probe()`` runs one tiny forward pass when an engine loads a model and refuses, with one line naming it, anything
+this function does not implement (soft-capping, attention sinks, a layer layout it cannot map to the pool).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +60,15 @@ class PackedBatch:
     num_decode: int = 0
     decode_slots: torch.Tensor | None = None  # [num_decode, max_keys], padded with a valid slot of the row
     decode_valid: torch.Tensor | None = None  # [num_decode, max_keys] bool
+    decode_pos: torch.Tensor | None = None  # [num_decode, max_keys] true positions of the keys (sliding windows)
+    decode_qpos: torch.Tensor | None = None  # [num_decode] the decode tokens' positions
     decode_track: torch.Tensor | None = None  # [num_decode, 1] float: 1 where decode attention counts
     capture_decode: bool = False
     prefills: list[PrefillSpan] = field(default_factory=list)
+    #: Attention mass recorded by this pass, per pool slot; the runner adds it to ``pool.score`` on success.
+    score: torch.Tensor | None = None
+    #: Set by ``probe``: what every layer call received, to check the model against what is implemented.
+    probe: list[dict[str, Any]] | None = None
     #: Filled per layer when capture is on: decode rows then capturing prefill spans, in that order.
     captured_q: list[torch.Tensor] = field(default_factory=list)  # [rows, kv_heads, groups, head_dim]
     captured_lse: list[torch.Tensor] = field(default_factory=list)  # [rows, kv_heads, groups]
@@ -71,33 +84,36 @@ Captures = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 def _decode_attention(
-    batch: PackedBatch, layer: int, q: torch.Tensor, scaling: float, captures: Captures
+    batch: PackedBatch, layer: int, q: torch.Tensor, scaling: float, window: int | None, captures: Captures
 ) -> torch.Tensor:
     """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``."""
     pool = batch.pool
     slots = batch.decode_slots
     keys = pool.k[layer][slots]  # [n, L, kvh, D]
     values = pool.v[layer][slots]
+    valid = batch.decode_valid
+    if window is not None:
+        valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
     if batch.decode_track is None and not batch.capture_decode:
         # nothing to record: one fused kernel, no explicit weights
         out = F.scaled_dot_product_attention(
             q[:, :, None, :],
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=batch.decode_valid[:, None, None, :],
+            attn_mask=valid[:, None, None, :],
             scale=scaling,
             enable_gqa=True,
         )
         return out.reshape(q.shape)
     qg = _grouped(q, pool.num_kv_heads)  # [n, kvh, g, D]
     scores = torch.einsum("nkgd,nlkd->nkgl", qg, keys).float() * scaling
-    scores.masked_fill_(~batch.decode_valid[:, None, None, :], float("-inf"))
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     weights = (scores - lse).exp()
     out = torch.einsum("nkgl,nlkd->nkgd", weights.to(values.dtype), values)
-    if batch.decode_track is not None:
+    if batch.decode_track is not None and batch.score is not None:
         mass = weights.sum(dim=(1, 2)) * batch.decode_track  # [n, L]
-        pool.score.index_add_(0, slots.reshape(-1), mass.reshape(-1))
+        batch.score.index_add_(0, slots.reshape(-1), mass.reshape(-1))
     if batch.capture_decode:
         captures[0].append(qg)
         captures[1].append(lse.squeeze(-1))
@@ -117,6 +133,7 @@ def _prefill_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scaling: float,
+    window: int | None,
     captures: Captures,
 ) -> torch.Tensor:
     """``q``: ``[heads, n, D]``; ``k``/``v``: the chunk's own ``[kv_heads, n, D]``. Returns ``[n, heads, D]``.
@@ -127,16 +144,24 @@ def _prefill_attention(
     pool = batch.pool
     if span.fresh:
         keys, values, key_slots, key_pos = k, v, span.key_slots, span.q_pos
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], is_causal=True, scale=scaling, enable_gqa=True
-        )[0]
     else:
         keys = pool.k[layer][span.key_slots].transpose(0, 1)  # [kvh, L, D]
         values = pool.v[layer][span.key_slots].transpose(0, 1)
         key_slots, key_pos = span.key_slots, span.key_pos
-        allowed = key_pos[None, :] <= span.q_pos[:, None]  # [n, L]
+
+    def allowed(q_pos: torch.Tensor) -> torch.Tensor:  # [rows, L]
+        ok = key_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            ok &= key_pos[None, :] > q_pos[:, None] - window
+        return ok
+
+    if span.fresh and (window is None or window >= span.q_len):
         out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=allowed, scale=scaling, enable_gqa=True
+            q[None], keys[None], values[None], is_causal=True, scale=scaling, enable_gqa=True
+        )[0]
+    else:
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=allowed(span.q_pos), scale=scaling, enable_gqa=True
         )[0]
     if span.track == "all":
         voters = (span.q_pos % PREFILL_VOTE_STRIDE == PREFILL_VOTE_STRIDE - 1) | (span.q_pos == span.q_pos[-1])
@@ -149,11 +174,11 @@ def _prefill_attention(
         qv = q[:, voters]  # [heads, nv, D]
         qg = qv.reshape(kvh, qv.shape[0] // kvh, *qv.shape[1:])  # [kvh, g, nv, D]
         scores = torch.einsum("kgnd,kld->kgnl", qg, keys).float() * scaling
-        scores.masked_fill_(key_pos[None, :] > span.q_pos[voters][:, None], float("-inf"))
+        scores.masked_fill_(~allowed(span.q_pos[voters]), float("-inf"))
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-        if span.track != "none":
+        if span.track != "none" and batch.score is not None:
             weights = (scores - lse).exp()
-            pool.score.index_add_(0, key_slots, weights.sum(dim=(0, 1, 2)))
+            batch.score.index_add_(0, key_slots, weights.sum(dim=(0, 1, 2)))
         if span.capture:
             captures[0].append(qg[None, :, :, -1])
             captures[1].append(lse[None, :, :, -1, 0])
@@ -169,16 +194,27 @@ def confkv_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     confkv_batch: PackedBatch | None = None,
+    sliding_window: int | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """The function transformers calls in every attention layer; shapes ``[1, heads, tokens, D]``."""
     batch = confkv_batch
     if batch is None:
         raise RuntimeError("confkv attention was called without a packed batch; run the model through the engine")
-    layer = module.layer_idx
-    pool = batch.pool
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if batch.probe is not None:
+        batch.probe.append(
+            {
+                "layer": getattr(module, "layer_idx", None),
+                "scaling": float(scaling),
+                "dropout": dropout,
+                "key_shape": tuple(key.shape),
+                "extra": {k: v for k, v in kwargs.items() if v is not None},
+            }
+        )
+    layer = module.layer_idx
+    pool = batch.pool
     q = query[0].transpose(0, 1)  # [tokens, heads, D]
     k = key[0].transpose(0, 1)  # [tokens, kvh, D]
     v = value[0].transpose(0, 1)
@@ -187,13 +223,13 @@ def confkv_attention(
 
     out = torch.empty_like(q)
     captures: Captures = ([], [])
+    window = sliding_window
     if batch.num_decode:
-        out[: batch.num_decode] = _decode_attention(batch, layer, q[: batch.num_decode], scaling, captures)
+        out[: batch.num_decode] = _decode_attention(batch, layer, q[: batch.num_decode], scaling, window, captures)
     for span in batch.prefills:
         sl = slice(span.q_start, span.q_start + span.q_len)
-        out[sl] = _prefill_attention(
-            batch, layer, span, q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), scaling, captures
-        )
+        qs, ks, vs = q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1)
+        out[sl] = _prefill_attention(batch, layer, span, qs, ks, vs, scaling, window, captures)
     if captures[0]:
         batch.captured_q.append(torch.cat(captures[0]))
         batch.captured_lse.append(torch.cat(captures[1]))
@@ -210,3 +246,75 @@ def register() -> str:
     AttentionInterface.register(ATTN_IMPLEMENTATION, confkv_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
     return ATTN_IMPLEMENTATION
+
+
+#: Keyword arguments transformers passes that change nothing here (positions come from the packed batch).
+_HARMLESS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "is_causal"})
+#: What a keyword means when a model passes it and this function does not implement it.
+_UNSUPPORTED = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks", "sinks": "attention sinks"}
+
+
+def probe(model: torch.nn.Module, pool: BlockPool, vocab_size: int) -> float:
+    """Run two tokens through the model with one borrowed block and check every attention call against what
+    ``confkv_attention`` implements; raise ``UnsupportedModelError`` naming the first thing it does not. Returns
+    the layers' attention scaling (what recall scoring needs).
+
+    Checking the calls themselves (rather than a list of model types) also covers models loaded from any local
+    folder: a layer that passes soft-capping or sinks, has no ``layer_idx``, or whose keys do not have the pool's
+    shape is refused before it can produce silently wrong text.
+    """
+    from confkv.errors import UnsupportedModelError
+
+    block = pool.allocate(1)
+    try:
+        slots = pool.slots_of(block)[:2]
+        batch = PackedBatch(pool=pool, slot_mapping=slots, probe=[])
+        batch.prefills.append(
+            PrefillSpan(
+                q_start=0,
+                q_len=2,
+                key_slots=slots,
+                key_pos=torch.arange(2, device=pool.device),
+                q_pos=torch.arange(2, device=pool.device),
+                fresh=True,
+            )
+        )
+        ids = torch.tensor([[min(1, vocab_size - 1), min(2, vocab_size - 1)]], device=pool.device)
+        with torch.inference_mode():
+            try:
+                model(input_ids=ids, position_ids=torch.arange(2, device=pool.device)[None], use_cache=False,
+                      logits_to_keep=1, confkv_batch=batch)  # fmt: skip
+            except (AttributeError, TypeError, IndexError, RuntimeError) as err:
+                raise UnsupportedModelError(
+                    f"the model's attention layers cannot run on the confkv KV pool ({type(err).__name__}: {err})"
+                ) from None
+    finally:
+        pool.free(block)
+    calls = batch.probe or []
+    layers = [c["layer"] for c in calls]
+    if sorted(x for x in layers if x is not None) != list(range(pool.num_layers)) or None in layers:
+        raise UnsupportedModelError(
+            f"non-standard layer layout: attention calls came from layers {layers}, expected each of "
+            f"0..{pool.num_layers - 1} once"
+        )
+    for c in calls:
+        for name, value in c["extra"].items():
+            if name in _HARMLESS or name == "confkv_batch":
+                continue
+            what = _UNSUPPORTED.get(name, f"the attention argument {name!r}")
+            raise UnsupportedModelError(f"{what} ({name}={_short(value)}) is not implemented by confkv's attention")
+        if c["key_shape"][1:2] != (pool.num_kv_heads,) or c["key_shape"][-1] != pool.head_dim:
+            raise UnsupportedModelError(
+                f"layer {c['layer']} has keys shaped {c['key_shape']}, not [1, {pool.num_kv_heads}, tokens, "
+                f"{pool.head_dim}] as the config says"
+            )
+    scalings = {round(c["scaling"], 9) for c in calls}
+    if len(scalings) != 1:
+        raise UnsupportedModelError(f"layers use different attention scalings {sorted(scalings)}")
+    return calls[0]["scaling"]
+
+
+def _short(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}"
+    return repr(value)[:40]

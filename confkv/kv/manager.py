@@ -1,16 +1,29 @@
 """The cache manager: turns each sequence's budget into block moves between the device pool and the host tier.
 
-After every step a sequence holding more than its applied budget gives up its least important evictable blocks
-(never the attention sinks, never the ``min_recent`` most recent tokens) to the host tier. When the controller
-expands the budget, ``recall`` scores the sequence's host blocks against the current query (the attention mass
-each block would receive, from the query and the resident keys' log-sum-exp captured during the forward pass) and
-moves the best back into free device blocks. Expansion applies at once; contraction every ``compact_interval``
-tokens, so that confident runs do not evict block by block.
+Every sequence carries its own controller (the engine's policy, or the policy with a request's overrides) and an
+*applied budget*. After every step a sequence holding more than its applied budget gives up its least important
+evictable blocks (never the attention sinks, never the ``min_recent`` most recent tokens) to the host tier.
+
+How the applied budget moves:
+
+* while a prompt is read no confidence signal exists yet: an evicting policy keeps up to ``max_size`` tokens and is
+  trimmed back to it between prefill chunks (so its peak is ``max_size`` plus one chunk);
+* once the prompt is read it comes down to the controller's budget at once (for ``dynamic`` its first budget);
+* when the controller's budget rises (an *expansion*) the engine raises the applied budget, as far as the memory
+  ledger allows, and ``recall`` brings back the host blocks the current query would attend to most;
+* contraction is applied every ``compact_interval`` tokens, so confident runs do not evict block by block; the same
+  tick lets a budget that was held below the controller's (by the circuit breaker, or a full memory ledger) grow
+  back, as far as the ledger allows, by new tokens and never by recall;
+* the circuit breaker lowers the applied budget itself (``shrink``), so what it frees stays free.
+
+``projected_blocks`` is what admission control reserves for a sequence: the most device blocks it can hold before
+its budget next changes. Reservations made for a step are undone by ``rollback`` when the forward pass fails.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,35 +76,46 @@ class KVStats:
 
 @dataclass
 class SequenceKV:
-    """A sequence's KV state: its block table, applied budget and statistics."""
+    """A sequence's KV state: its block table, the controller that sizes it, its applied budget and statistics."""
 
     seq_id: int
     table: BlockTable
+    controller: Controller
     budget: float
     since_compact: int = 0
+    prompt_trimmed: bool = False  # whether the post-prompt size has been applied
     stats: KVStats = field(default_factory=KVStats)
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """What ``reserve`` changed, so that a failed forward pass can be undone."""
+
+    entries: int
+    num_tokens: int
+
+
 class CacheManager:
-    def __init__(self, pool: BlockPool, host: HostTier, controller: Controller, scaling: float) -> None:
+    def __init__(self, pool: BlockPool, host: HostTier, scaling: float) -> None:
         self.pool = pool
         self.host = host
-        self.controller = controller
         self.scaling = scaling
         self._seqs: dict[int, SequenceKV] = {}
         # engine-wide counters (for metrics)
         self.evicted_blocks = 0
         self.recalled_blocks = 0
         self.recall_hits = 0
-        self.breaker_trips = 0
+        self.recall_queries = 0
+        self.expansions = 0
+        self.contractions = 0
 
     @property
     def block_size(self) -> int:
         return self.pool.block_size
 
     # ----------------------------------------------------------------------------------------------- lifecycle
-    def open(self, seq_id: int, budget: float) -> SequenceKV:
-        kv = SequenceKV(seq_id=seq_id, table=BlockTable(self.block_size), budget=budget)
+    def open(self, seq_id: int, controller: Controller, budget: float) -> SequenceKV:
+        kv = SequenceKV(seq_id=seq_id, table=BlockTable(self.block_size), controller=controller, budget=budget)
         self._seqs[seq_id] = kv
         return kv
 
@@ -103,57 +127,111 @@ class CacheManager:
         kv.stats.host_bytes = 0
         self._seqs.pop(kv.seq_id, None)
 
+    def reset(self, kv: SequenceKV) -> None:
+        """Drop every block (preemption: the sequence will be recomputed) but keep its identity and statistics."""
+        self.pool.free(kv.table.device_blocks())
+        self.host.drop_sequence(kv.seq_id)
+        kv.table = BlockTable(self.block_size)
+        kv.since_compact = 0
+        kv.prompt_trimmed = False
+        kv.stats.host_bytes = 0
+
     # ------------------------------------------------------------------------------------------------ allocation
     def blocks_needed(self, kv: SequenceKV, n_new: int) -> int:
         return kv.table.blocks_for(kv.table.num_tokens + n_new) - len(kv.table)
 
-    def reserve(self, kv: SequenceKV, n_new: int) -> None:
+    def reserve(self, kv: SequenceKV, n_new: int) -> Reservation:
         """Give the next ``n_new`` tokens slots; the caller has checked ``blocks_needed`` against free blocks."""
+        undo = Reservation(len(kv.table.entries), kv.table.num_tokens)
         kv.table.entries.extend(self.pool.allocate(self.blocks_needed(kv, n_new)))
         kv.table.num_tokens += n_new
+        return undo
 
-    def max_chunk(self, kv: SequenceKV) -> int:
-        """Largest prefill chunk that keeps the sequence within ``max_size`` plus one block on the device."""
-        c = self.controller
+    def rollback(self, kv: SequenceKV, undo: Reservation) -> None:
+        """Undo ``reserve``: the step's tokens get no slots and the blocks allocated for them go back."""
+        table = kv.table
+        self.pool.free(table.entries[undo.entries :])
+        del table.entries[undo.entries :]
+        table.num_tokens = undo.num_tokens
+
+    def prefill_keep(self, kv: SequenceKV) -> float:
+        """Tokens an evicting policy keeps while a prompt is read (no signal yet: as much as the policy allows)."""
+        c = kv.controller
         if not c.evicts or not c.evicts_during_prefill:
-            return 1 << 30
-        room = int(c.max_budget) + self.block_size - kv.table.resident_tokens()
-        return max(self.block_size, room)
+            return math.inf
+        return c.max_budget
+
+    def floor_tokens(self, kv: SequenceKV) -> int:
+        """The fewest tokens a long sequence keeps: sinks plus the protected recent window."""
+        c = kv.controller
+        return c.sink_tokens + c.protected_recent
+
+    def projected_blocks(self, kv: SequenceKV, total_tokens: int, prompt_tokens: int, chunk: int) -> int:
+        """Most device blocks the sequence can hold until its budget next changes (what admission reserves).
+
+        ``total_tokens`` is the longest the sequence can become, ``chunk`` the largest prefill chunk it may be given.
+        A policy that keeps everything needs its whole length; an evicting one its budget plus what one step adds.
+        """
+        table, c, bs = kv.table, kv.controller, self.block_size
+        if not c.evicts:
+            return table.blocks_for(total_tokens)
+        if table.num_tokens < prompt_tokens:  # still reading the prompt
+            if not c.evicts_during_prefill:
+                return table.blocks_for(prompt_tokens) + 1
+            keep = self.prefill_keep(kv) + chunk
+        else:
+            floor = math.ceil(c.sink_tokens / bs) * bs + c.protected_recent + bs  # what eviction cannot go below
+            keep = max(kv.budget, floor) + 1
+        return min(table.blocks_for(total_tokens), table.blocks_for(math.ceil(keep)) + 1)
 
     # ------------------------------------------------------------------------------------------------- eviction
-    def after_step(self, kv: SequenceKV, budget: float, n_computed: int, prompt_done: bool) -> None:
-        """Apply the controller's budget (expansion now, contraction on the compaction tick) and evict to it."""
-        c = self.controller
+    def after_step(
+        self,
+        kv: SequenceKV,
+        target: float,
+        n_computed: int,
+        prompt_done: bool,
+        grow_room: Callable[[], float] | None = None,
+    ) -> None:
+        """Apply the controller's budget ``target`` (contraction on the compaction tick) and evict to it.
+
+        ``grow_room`` says how many tokens the memory ledger lets the applied budget rise by on a tick (asked only
+        when it would rise; unbounded when not given).
+        """
+        c = kv.controller
         if not c.evicts:
             return
         if not prompt_done:
-            # No confidence signal exists while the prompt is read: keep up to max_size, so that the first
-            # answer token sees as much of the prompt as the policy allows.
-            if c.evicts_during_prefill and kv.table.resident_tokens() > c.max_budget:
-                self.evict_to(kv, c.max_budget)
+            keep = self.prefill_keep(kv)
+            if kv.table.resident_tokens() > keep:
+                self.evict_to(kv, keep)
             return
-        kv.since_compact += n_computed
-        if budget > kv.budget:
-            kv.budget = budget
-        if kv.since_compact >= c.policy.compact_interval:
-            kv.budget = budget
+        if not kv.prompt_trimmed:  # the prompt was just read: come down to the post-prompt size at once
+            kv.prompt_trimmed = True
+            kv.budget = target
             kv.since_compact = 0
+        else:
+            kv.since_compact += n_computed
+            if kv.since_compact >= c.policy.compact_interval:
+                kv.since_compact = 0
+                if target < kv.budget:
+                    kv.budget = target
+                    self.contractions += 1
+                elif target > kv.budget:  # held below the controller's budget: grow back by new tokens only
+                    room = grow_room() if grow_room is not None else math.inf
+                    kv.budget = min(target, kv.budget + max(0.0, room))
         if kv.table.resident_tokens() > kv.budget:
             self.evict_to(kv, kv.budget)
 
-    def floor_tokens(self) -> int:
-        """The fewest tokens a long sequence keeps: sinks plus the protected recent window."""
-        return self.controller.sink_tokens + self.controller.protected_recent
-
-    def shrink_to_floor(self, kv: SequenceKV) -> int:
-        """Circuit breaker: evict down to the floor; returns the blocks freed."""
-        if not self.controller.evicts:
+    def shrink(self, kv: SequenceKV, target: float) -> int:
+        """Circuit breaker: lower the applied budget to ``target`` tokens (never below the floor); blocks freed."""
+        if not kv.controller.evicts:
             return 0
-        kv.budget = min(kv.budget, float(self.floor_tokens()))
+        kv.budget = min(kv.budget, max(float(self.floor_tokens(kv)), target))
         return self.evict_to(kv, kv.budget)
 
     def _evictable(self, kv: SequenceKV) -> list[int]:
-        c, bs, table = self.controller, self.block_size, kv.table
+        c, bs, table = kv.controller, self.block_size, kv.table
         first_unprotected = math.ceil(c.sink_tokens / bs)
         first_recent = max(0, table.num_tokens - max(1, c.protected_recent)) // bs
         return [i for i in range(first_unprotected, min(first_recent, len(table))) if table.entries[i] >= 0]
@@ -165,7 +243,7 @@ class CacheManager:
         if excess <= 0 or not candidates:
             return 0
         table, bs = kv.table, self.block_size
-        if self.controller.importance == "attention":
+        if kv.controller.importance == "attention":
             ids = torch.tensor([table.entries[i] for i in candidates], device=self.pool.device)
             scores = self.pool.score.view(-1, bs)[ids].sum(dim=-1).tolist()
             order = sorted(range(len(candidates)), key=lambda j: (scores[j], candidates[j]))
@@ -193,21 +271,23 @@ class CacheManager:
         return len(victims)
 
     # --------------------------------------------------------------------------------------------------- recall
-    def recall(self, kv: SequenceKV, q: torch.Tensor, lse: torch.Tensor) -> list[int]:
+    def recall(self, kv: SequenceKV, q: torch.Tensor, lse: torch.Tensor, max_blocks: int | None = None) -> list[int]:
         """Bring back the host blocks the current query would attend to most, up to the applied budget.
 
         ``q``: ``[layers, kv_heads, groups, head_dim]`` (after RoPE), ``lse``: ``[layers, kv_heads, groups]``, the
         log-sum-exp of the query's attention logits over the resident keys. A host token's would-be attention
         weight is ``exp(logit - logaddexp(lse_resident, lse_host))``; a block's score is that summed over its
-        tokens, heads and layers.
+        tokens, heads and layers. ``max_blocks`` bounds the blocks taken from the pool (free memory).
         """
         table, bs = kv.table, self.block_size
         host_idx = table.host_indices()
         room_tokens = kv.budget - table.resident_tokens()
-        limit = int(self.controller.policy.memory_high_watermark * self.pool.num_blocks) - self.pool.num_used
-        n = min(len(host_idx), int(room_tokens // bs), max(0, limit))
+        n = min(len(host_idx), int(room_tokens // bs), self.pool.num_free)
+        if max_blocks is not None:
+            n = min(n, max_blocks)
         if n <= 0:
             return []
+        self.recall_queries += 1
         keys = self.host.keys_of(kv.seq_id, host_idx).float()  # [L, n_host, bs, kvh, D]
         qh = q.to("cpu", torch.float32)
         logits = torch.einsum("lkgd,lnbkd->lkgnb", qh, keys) * self.scaling
