@@ -92,15 +92,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure policies against the full cache: results.json, report.md, plots")
     _add_model_args(bench)
-    bench.add_argument("--suite", choices=["quick", "full"], default="quick")
+    bench.add_argument(
+        "--suite",
+        choices=["quick", "full", "throughput"],
+        default="quick",
+        help="quick/full: quality and memory against the full cache; throughput: requests served from one KV pool",
+    )
     bench.add_argument(
         "--policies",
-        default=",".join(BUILTIN_POLICIES),
-        help="comma-separated built-in policies (default: all); dynamic uses the requirement's defaults scaled",
+        default=None,
+        help="comma-separated built-in policies (default: all; throughput suite: full,dynamic); dynamic uses the "
+        "requirement's defaults scaled",
     )
     bench.add_argument("--policy-file", action="append", default=[], help="also measure this YAML policy")
     bench.add_argument("--out", required=True, help="output folder")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--scenarios", default="burst,poisson", help="throughput suite: burst (all at start) and/or poisson arrivals"
+    )
+    bench.add_argument("--arrival-rate", type=float, default=None, help="throughput suite: poisson requests/s")
+    bench.add_argument("--requests", type=int, default=None, help="throughput suite: number of requests (48)")
+    bench.add_argument("--no-hf", action="store_true", help="throughput suite: skip Hugging Face static batching")
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (streaming, /metrics)")
     _add_model_args(serve)
@@ -220,7 +232,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from confkv.bench.report import write_report
     from confkv.bench.suite import run_suite
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.suite == "throughput":
+        return _bench_throughput(args)
+    policies = [p.strip() for p in (args.policies or ",".join(BUILTIN_POLICIES)).split(",") if p.strip()]
     unknown = [p for p in policies if p not in BUILTIN_POLICIES]
     if unknown:
         raise ConfkvError(f"unknown policy {unknown[0]!r}; choose from {', '.join(BUILTIN_POLICIES)}")
@@ -244,6 +258,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
         log=lambda line: print(line, file=sys.stderr),
     )
     paths = write_report(results, args.out)
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return 0
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from confkv.bench.throughput import TINY_THROUGHPUT, ThroughputSpec, run_throughput, write_throughput_report
+
+    policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    if not scenarios or set(scenarios) - {"burst", "poisson"}:
+        raise ConfkvError("--scenarios takes burst and/or poisson")
+    for f in args.policy_file:
+        from confkv.config import load_policy_file
+
+        load_policy_file(f)
+    spec = TINY_THROUGHPUT if args.model == "tiny-random" else ThroughputSpec()
+    changes = {"arrival_rate": args.arrival_rate, "requests": args.requests}
+    if any(v is not None and v <= 0 for v in changes.values()):
+        raise ConfkvError("--arrival-rate and --requests must be positive")
+    spec = dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
+    results = run_throughput(
+        args.model, policies, policy_files=args.policy_file, spec=spec, scenarios=scenarios, hf=not args.no_hf,
+        device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed,
+        log=lambda line: print(line, file=sys.stderr),
+    )  # fmt: skip
+    paths = write_throughput_report(results, args.out)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
 

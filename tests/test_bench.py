@@ -38,3 +38,31 @@ def test_scaled_defaults():
 def test_bench_rejects_unknown_policy(capsys, tmp_path):
     assert main(["bench", "--model", "tiny-random", "--policies", "full,best", "--out", str(tmp_path)]) == 2
     assert "unknown policy 'best'" in capsys.readouterr().err
+
+
+THROUGHPUT_KEYS = (
+    "requests_per_s", "output_tokens_per_s", "mean_running", "ttft_p50_s", "ttft_p99_s", "latency_p50_s",
+    "latency_p99_s", "preemptions", "peak_pool_usage", "kv_fraction_mean", "rougeL_vs_full", "exact_match_vs_full",
+)  # fmt: skip
+
+
+def test_bench_throughput_tiny_writes_everything(tmp_path, capsys):
+    out = tmp_path / "tp"
+    args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--policies", "full,dynamic", "--out", str(out)]
+    assert main(args) == 0
+    json.loads(capsys.readouterr().out)
+    for name in ("results.json", "report.md", "throughput.png", "running.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    for section in (results, results["poisson"]):
+        assert set(section["policies"]) == {"full", "dynamic"}
+        for name, entry in section["policies"].items():
+            missing = [k for k in THROUGHPUT_KEYS if k not in entry]
+            assert not missing, (name, missing)
+            assert entry["preemptions"] == 0 and entry["peak_pool_usage"] <= 1.0
+        full = section["policies"]["full"]
+        assert full["rougeL_vs_full"] == 1.0 and full["exact_match_vs_full"] == 1.0
+        # the full cache is Hugging Face's own greedy output, batched statically or continuously
+        assert section["hf_static"]["exact_match_vs_full"] == 1.0
+    assert results["settings"]["requests"] == 8 and results["poisson"]["arrival_rate"] > 0
+    assert set(results["running_trace"]) == {"burst", "poisson"}

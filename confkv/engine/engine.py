@@ -93,7 +93,10 @@ class LLMEngine:
         config: EngineConfig | None = None,
         policy: CachePolicy | None = None,
         loaded: LoadedModel | None = None,
+        policy_info: dict[str, str | None] | None = None,
     ) -> None:
+        """``policy_info`` says where the start-up policy came from (``name``, ``version``, ``source``: a registry
+        reference, a file); by default its controller's name from ``startup``."""
         self.config = config = config or EngineConfig()
         self.policy = policy = policy or CachePolicy()
         if loaded is not None and config.device is None:
@@ -141,7 +144,8 @@ class LLMEngine:
         self.num_reruns = 0
         self.rerun_tokens = 0
         self.request_errors: Counter[str] = Counter()
-        self.policy_info: dict[str, str | None] = {"name": policy.controller, "version": None, "source": "startup"}
+        self.policy_info: dict[str, str | None] = {"name": policy.controller, "version": None, "source": "startup",
+                                                   **(policy_info or {})}  # fmt: skip
         self.policy_swaps = 0
         self.policy_swaps_refused = 0
         self._lock = threading.Lock()

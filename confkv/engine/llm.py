@@ -74,17 +74,18 @@ class LLM:
                 "cache_dir": cache_dir,
             }
         )
-        self.engine = LLMEngine(config, cache_policy, loaded=loaded)
-        self._batches = itertools.count()
+        info = None
         if resolved is not None:
-            self.engine.policy_info = {"name": resolved.name, "version": str(resolved.version), "source": resolved.ref}
-            if policy_watch_interval_s is not None and resolved.alias is not None:
-                from store.watcher import watch_engine
+            info = {"name": resolved.name, "version": str(resolved.version), "source": resolved.ref}
+        self.engine = LLMEngine(config, cache_policy, loaded=loaded, policy_info=info)
+        self._batches = itertools.count()
+        if resolved is not None and resolved.alias is not None and policy_watch_interval_s is not None:
+            from store.watcher import watch_engine
 
-                self.policy_watcher = watch_engine(
-                    self.engine, resolved, controller=policy, overrides=policy_overrides,
-                    registry_url=registry_url, interval_s=policy_watch_interval_s,
-                )  # fmt: skip
+            self.policy_watcher = watch_engine(
+                self.engine, resolved, controller=policy, overrides=policy_overrides,
+                registry_url=registry_url, interval_s=policy_watch_interval_s,
+            )  # fmt: skip
 
     def close(self) -> None:
         """Stop following a registry alias (nothing else needs closing)."""

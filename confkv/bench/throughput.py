@@ -1,0 +1,473 @@
+"""``confkv bench --suite throughput``: does the memory a policy saves become requests served?
+
+One engine per policy, one fixed KV pool for all of them, sized so that ``full`` fits ``full_fits`` sequences at
+once. The same stream of requests (prompts of 1,000-2,000 tokens of documentation with a task after them, output
+lengths of 64-256 tokens, greedy, ``ignore_eos`` so every policy generates the same number of tokens) goes through
+each, in two scenarios:
+
+* ``burst``: every request submitted at the start (throughput);
+* ``poisson``: requests arriving at a set rate with exponential gaps (latency under load).
+
+Measured per policy: requests/s and output tokens/s over the makespan, the time-weighted mean of running sequences,
+time to first token and end-to-end latency percentiles, preemptions, peak pool use, the resident KV fraction, and the
+answers' quality against ``full``'s (ROUGE-L and exact token match). Hugging Face ``generate`` on the same requests
+in static batches of ``full_fits`` (left-padded, run to the batch's longest output) is what a user would otherwise
+run; it is reported as ``hf_static``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from confkv.bench.corpus import split_passage
+from confkv.bench.suite import git_commit, scaled_dynamic
+from confkv.bench.textmetrics import rouge_l
+from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
+from confkv.engine.llm import LLM
+from confkv.engine.params import SamplingParams
+from confkv.errors import ConfkvError
+from confkv.kv.pool import BlockPool
+from confkv.model_loader import LoadedModel, load_model
+
+TASKS = (
+    "Summarise the excerpt above in a few sentences.",
+    "List the main rules the excerpt above describes, one per line.",
+    "Explain the excerpt above to a programmer who is new to Python.",
+    "Write five questions a student could answer from the excerpt above.",
+    "Give an example program that uses what the excerpt above describes, and explain it.",
+    "What are the most common mistakes related to the excerpt above? Explain each.",
+)
+
+
+@dataclass(frozen=True)
+class ThroughputSpec:
+    requests: int = 48
+    prompt_tokens: tuple[int, int] = (1000, 2000)
+    output_tokens: tuple[int, int] = (64, 256)
+    full_fits: int = 4
+    max_batch_size: int = 32
+    max_num_batched_tokens: int = 512
+    arrival_rate: float = 0.15  # requests/s of the poisson scenario
+    scale: float = 0.25  # the requirement's dynamic sizes times this (base 256, max 1024, 128 recent)
+
+
+#: For tiny-random (tests, CI): the same shape at toy sizes.
+TINY_THROUGHPUT = ThroughputSpec(
+    requests=8, prompt_tokens=(100, 200), output_tokens=(8, 24), full_fits=2, max_batch_size=8,
+    max_num_batched_tokens=128, arrival_rate=40.0, scale=1 / 16,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    arrival_s: float = 0.0
+
+
+def make_requests(tokenizer: Any, spec: ThroughputSpec, seed: int = 0) -> list[StreamRequest]:
+    """Chat requests over held-out documentation, lengths drawn uniformly from the spec's ranges, by ``seed``."""
+    rng = random.Random(f"throughput/{seed}")
+    out = []
+    for i in range(spec.requests):
+        target = rng.randint(*spec.prompt_tokens)
+        task = TASKS[i % len(TASKS)]
+        passage = split_passage(6 * target, seed * 1000 + i, "heldout")
+        ids = tokenizer(passage, add_special_tokens=False)["input_ids"]
+        shell = _chat(tokenizer, "{}", task)
+        room = max(16, target - len(shell))
+        excerpt = tokenizer.decode(ids[:room])
+        prompt = _chat(tokenizer, excerpt, task)
+        out.append(StreamRequest(tuple(prompt[: spec.prompt_tokens[1]]), rng.randint(*spec.output_tokens)))
+    return out
+
+
+def _chat(tokenizer: Any, excerpt: str, task: str) -> list[int]:
+    content = f"Read this excerpt of the Python documentation.\n\n{excerpt}\n\n{task}"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                        tokenize=True)  # fmt: skip
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def with_poisson_arrivals(requests: list[StreamRequest], rate: float, seed: int = 0) -> list[StreamRequest]:
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1.0 / rate, size=len(requests)))
+    t -= t[0]
+    return [StreamRequest(r.prompt_ids, r.max_tokens, float(a)) for r, a in zip(requests, t, strict=True)]
+
+
+def pool_bytes_for(loaded: LoadedModel, spec: ThroughputSpec, block_size: int) -> int:
+    """A pool that holds exactly ``full_fits`` of the longest possible requests under ``full`` (plus one block)."""
+    per_block = BlockPool.bytes_per_block_for(
+        *BlockPool.geometry(loaded.model.config), block_size, next(loaded.model.parameters()).dtype
+    )
+    longest = spec.prompt_tokens[1] + spec.output_tokens[1]
+    return (spec.full_fits * -(-longest // block_size) + 1) * per_block
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+@dataclass
+class StreamResult:
+    metrics: dict[str, Any]
+    token_ids: list[list[int]]
+    texts: list[str]
+    running: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, running sequences)
+
+
+def run_engine_stream(llm: LLM, requests: list[StreamRequest]) -> StreamResult:
+    """Submit each request at its arrival time and step the engine until every one is finished."""
+    engine = llm.engine
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    outputs: dict[int, Any] = {}
+    running_trace: list[tuple[float, int]] = []
+    weighted_running = busy = 0.0
+    peak_usage = 0.0
+    submitted: dict[str, float] = {}
+    t0 = time.perf_counter()
+    nxt = 0
+    while len(outputs) < len(requests):
+        now = time.perf_counter() - t0
+        while nxt < len(order) and requests[order[nxt]].arrival_s <= now:
+            i = order[nxt]
+            r = requests[i]
+            engine.add_request(str(i), list(r.prompt_ids), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+            submitted[str(i)] = time.perf_counter()
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, requests[order[nxt]].arrival_s - (time.perf_counter() - t0)))
+            continue
+        s0 = time.perf_counter()
+        step_outputs = engine.step()
+        dt = time.perf_counter() - s0
+        running = len(engine.scheduler.running) + sum(1 for o in step_outputs if o.finished)
+        weighted_running += running * dt
+        busy += dt
+        peak_usage = max(peak_usage, engine.pool.usage)
+        running_trace.append((time.perf_counter() - t0, len(engine.scheduler.running)))
+        for o in step_outputs:
+            if o.finished and o.output is not None:
+                if o.output.finish_reason == "error":
+                    raise RuntimeError(f"request {o.request_id} failed: {o.output.error}")
+                outputs[int(o.request_id)] = o.output
+    makespan = time.perf_counter() - t0
+    outs = [outputs[i] for i in range(len(requests))]
+    ttft = [o.timing["queue_s"] + o.timing["prefill_s"] for o in outs]
+    latency = [o.timing["queue_s"] + o.timing["prefill_s"] + o.timing["decode_s"] for o in outs]
+    generated = sum(o.generated_tokens for o in outs)
+    kv_fraction = [o.kv["mean_resident_tokens"] / (o.prompt_tokens + (o.generated_tokens - 1) / 2) for o in outs]
+    stats = engine.stats()
+    metrics = {
+        "requests": len(outs),
+        "makespan_s": makespan,
+        "requests_per_s": len(outs) / makespan,
+        "output_tokens_per_s": generated / makespan,
+        "mean_running": weighted_running / max(busy, 1e-9),
+        "max_running": max((n for _, n in running_trace), default=0),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "latency_p50_s": _pct(latency, 50),
+        "latency_p99_s": _pct(latency, 99),
+        "preemptions": stats["preemptions"],
+        "recomputed_tokens": stats["recomputed_tokens"],
+        "breaker_trips": stats["breaker_trips"],
+        "peak_pool_usage": peak_usage,
+        "kv_fraction_mean": float(np.mean(kv_fraction)),
+        "pool_blocks": stats["pool_blocks"],
+        "recalled_blocks": stats["recalled_blocks"],
+    }
+    texts = [o.text for o in outs]
+    return StreamResult(metrics, [o.token_ids for o in outs], texts, running_trace)
+
+
+class _TokenClock:
+    """A ``generate`` streamer that only notes when each batch of new tokens arrives (for time to first token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf_static(loaded: LoadedModel, requests: list[StreamRequest], batch_size: int) -> StreamResult:
+    """Hugging Face ``generate`` in static batches: whatever has arrived (up to ``batch_size``) runs together,
+    left-padded, until its longest output is done."""
+    model, tok = loaded.model, loaded.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    results: dict[int, list[int]] = {}
+    ttft: dict[int, float] = {}
+    latency: dict[int, float] = {}
+    running_trace: list[tuple[float, int]] = []
+    t0 = time.perf_counter()
+    nxt = 0
+    while nxt < len(order):
+        now = time.perf_counter() - t0
+        if requests[order[nxt]].arrival_s > now:
+            time.sleep(requests[order[nxt]].arrival_s - now)
+            now = time.perf_counter() - t0
+        batch = []
+        while nxt < len(order) and len(batch) < batch_size and requests[order[nxt]].arrival_s <= now:
+            batch.append(order[nxt])
+            nxt += 1
+        width = max(len(requests[i].prompt_ids) for i in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):
+            p = requests[i].prompt_ids
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(requests[i].max_tokens for i in batch)
+        running_trace.append((now, len(batch)))
+        clock = _TokenClock()
+        with torch.inference_mode():
+            out = model.generate(
+                ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new, do_sample=False,
+                eos_token_id=None, pad_token_id=pad, streamer=clock,
+            )  # fmt: skip
+        done = time.perf_counter()
+        running_trace.append((done - t0, 0))
+        t_first = clock.times[1] if len(clock.times) > 1 else done  # the first call is the prompt itself
+        for row, i in enumerate(batch):
+            results[i] = out[row, width : width + requests[i].max_tokens].tolist()
+            ttft[i] = t_first - (t0 + requests[i].arrival_s)
+            latency[i] = done - (t0 + requests[i].arrival_s)
+    makespan = time.perf_counter() - t0
+    token_ids = [results[i] for i in range(len(requests))]
+    metrics = {
+        "requests": len(requests),
+        "makespan_s": makespan,
+        "requests_per_s": len(requests) / makespan,
+        "output_tokens_per_s": sum(len(t) for t in token_ids) / makespan,
+        "batch_size": batch_size,
+        "ttft_p50_s": _pct(list(ttft.values()), 50),
+        "ttft_p99_s": _pct(list(ttft.values()), 99),
+        "latency_p50_s": _pct(list(latency.values()), 50),
+        "latency_p99_s": _pct(list(latency.values()), 99),
+    }
+    texts = [tok.decode(t, skip_special_tokens=True) for t in token_ids]
+    return StreamResult(metrics, token_ids, texts, running_trace)
+
+
+def _quality(result: StreamResult, reference: StreamResult) -> dict[str, float]:
+    same = [a == b for a, b in zip(result.token_ids, reference.token_ids, strict=True)]
+    return {"rougeL_vs_full": rouge_l(result.texts, reference.texts), "exact_match_vs_full": float(np.mean(same))}
+
+
+def _policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -> list[tuple[str, CachePolicy]]:
+    from confkv.bench.suite import baseline_policy
+
+    dynamic = scaled_dynamic(spec.scale)
+    out: list[tuple[str, CachePolicy]] = []
+    for name in names:
+        if name not in BUILTIN_POLICIES:
+            raise ConfkvError(f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)}")
+        if name == "full":
+            out.append((name, CachePolicy(controller="full")))
+        elif name == "dynamic":
+            out.append((name, dynamic))
+        else:  # fixed baselines at dynamic's ceiling
+            out.append((name, baseline_policy(dynamic, name, dynamic.max_size)))
+    out.extend((Path(f).stem, load_policy_file(f)) for f in policy_files)
+    if not any(p.controller == "full" for _, p in out):
+        out.insert(0, ("full", CachePolicy(controller="full")))  # the quality reference
+    out.sort(key=lambda p: p[1].controller != "full")
+    return out
+
+
+def run_throughput(
+    model: str,
+    policies: list[str],
+    *,
+    policy_files: list[str] | None = None,
+    spec: ThroughputSpec | None = None,
+    scenarios: tuple[str, ...] = ("burst", "poisson"),
+    hf: bool = True,
+    device: str | None = None,
+    dtype: str = "auto",
+    cache_dir: str | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    spec = spec or (TINY_THROUGHPUT if model == "tiny-random" else ThroughputSpec())
+    t_start = time.perf_counter()
+    loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
+    chosen = _policies(policies, policy_files or [], spec)
+    pool_bytes = pool_bytes_for(loaded, spec, chosen[0][1].block_size)
+    base = make_requests(loaded.tokenizer, spec, seed)
+    out: dict[str, Any] = {
+        "model": model,
+        "suite": "throughput",
+        "commit": git_commit(),
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "settings": {
+            **asdict(spec),
+            "kv_cache_memory_bytes": pool_bytes,
+            "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in base])),
+            "output_tokens_mean": float(np.mean([r.max_tokens for r in base])),
+            "device": str(next(loaded.model.parameters()).device),
+            "threads": torch.get_num_threads(),
+            "seed": seed,
+        },
+        "policy_settings": {name: p.model_dump(mode="json") for name, p in chosen},
+    }
+    traces: dict[str, dict[str, list]] = {}
+    for scenario in scenarios:
+        requests = base if scenario == "burst" else with_poisson_arrivals(base, spec.arrival_rate, seed)
+        results: dict[str, StreamResult] = {}
+        for name, policy in chosen:
+            t0 = time.perf_counter()
+            llm = LLM(model, policy, loaded=loaded, kv_cache_memory=pool_bytes, max_batch_size=spec.max_batch_size,
+                      max_num_batched_tokens=spec.max_num_batched_tokens, seed=seed)  # fmt: skip
+            results[name] = run_engine_stream(llm, requests)
+            m = results[name].metrics
+            log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
+                f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s "
+                f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
+        reference = next(r for (n, p), r in zip(chosen, results.values(), strict=True) if p.controller == "full")
+        full_rps = reference.metrics["requests_per_s"]
+        section: dict[str, Any] = {"policies": {}}
+        for name, result in results.items():
+            section["policies"][name] = {
+                **result.metrics,
+                **_quality(result, reference),
+                "requests_per_s_vs_full": result.metrics["requests_per_s"] / full_rps,
+            }
+        if hf:
+            t0 = time.perf_counter()
+            hf_loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
+            static = run_hf_static(hf_loaded, requests, spec.full_fits)
+            section["hf_static"] = {**static.metrics, **_quality(static, reference)}
+            results["hf_static"] = static
+            log(f"{scenario} hf_static: {static.metrics['requests_per_s']:.3f} req/s "
+                f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
+        if scenario == "burst":
+            out.update(section)
+        else:
+            out[scenario] = {"arrival_rate": spec.arrival_rate, **section}
+        traces[scenario] = {name: r.running for name, r in results.items()}
+    out["running_trace"] = traces
+    out["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- report
+def _sections(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    out = [("burst", results)] if "policies" in results else []
+    if "poisson" in results:
+        out.append(("poisson", results["poisson"]))
+    return out
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """``results.json``, ``report.md`` and two plots (requests/s and TTFT by policy; running sequences over time)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"results": out / "results.json", "report": out / "report.md", "rates": out / "throughput.png",
+             "running": out / "running.png"}  # fmt: skip
+    paths["results"].write_text(json.dumps(results, indent=2))
+
+    s = results["settings"]
+    lines = [
+        f"# Throughput: {results['model']} ({results['created']}, commit `{results['commit']}`)",
+        "",
+        f"{s['requests']} requests, prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} tokens (mean "
+        f"{s['prompt_tokens_mean']:.0f}), outputs {s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (mean "
+        f"{s['output_tokens_mean']:.0f}); KV pool {s['kv_cache_memory_bytes'] / 2**20:.0f} MiB = {s['full_fits']} "
+        f"full-cache sequences of the longest request; max_batch_size {s['max_batch_size']}; {s['device']}, "
+        f"{s['threads']} threads; {s['seconds']:.0f} s in all.",
+    ]
+    for scenario, sec in _sections(results):
+        title = "all requests submitted at the start" if scenario == "burst" else (
+            f"Poisson arrivals at {sec['arrival_rate']} requests/s")  # fmt: skip
+        lines += ["", f"## {scenario}: {title}", "",
+                  "| policy | req/s | vs full | out tok/s | mean running | TTFT p50 s | TTFT p99 s | latency p50 s | "
+                  "latency p99 s | preemptions | peak pool % | KV % | ROUGE-L vs full | exact vs full |",
+                  "|:---|" + "---:|" * 13]  # fmt: skip
+        rows = dict(sec["policies"])
+        if "hf_static" in sec:
+            rows["hf_static"] = sec["hf_static"]
+        full_rps = sec["policies"].get("full", {}).get("requests_per_s")
+        for name, m in rows.items():
+            ratio = m["requests_per_s"] / full_rps if full_rps else None
+            peak = m.get("peak_pool_usage")
+            kvf = m.get("kv_fraction_mean")
+            lines.append(
+                f"| `{name}` | {m['requests_per_s']:.3f} | {_fmt(ratio, '.2f')}x | {m['output_tokens_per_s']:.1f} | "
+                f"{_fmt(m.get('mean_running'), '.1f')} | {_fmt(m['ttft_p50_s'], '.1f')} | "
+                f"{_fmt(m['ttft_p99_s'], '.1f')} | {_fmt(m['latency_p50_s'], '.1f')} | "
+                f"{_fmt(m['latency_p99_s'], '.1f')} | {_fmt(m.get('preemptions'), 'd')} | "
+                f"{_fmt(None if peak is None else 100 * peak, '.0f')} | "
+                f"{_fmt(None if kvf is None else 100 * kvf, '.0f')} | {_fmt(m.get('rougeL_vs_full'), '.3f')} | "
+                f"{_fmt(m.get('exact_match_vs_full'), '.2f')} |"
+            )
+    lines += ["", f"![requests/s and TTFT]({paths['rates'].name})", ""]
+    lines += [f"![running sequences]({paths['running'].name})"]
+    paths["report"].write_text("\n".join(lines) + "\n")
+
+    sections = _sections(results)
+    fig, axes = plt.subplots(len(sections), 2, figsize=(10, 3.4 * len(sections)), squeeze=False)
+    for row, (scenario, sec) in enumerate(sections):
+        rows = dict(sec["policies"])
+        if "hf_static" in sec:
+            rows["hf_static"] = sec["hf_static"]
+        names = list(rows)
+        axes[row][0].bar(names, [rows[n]["requests_per_s"] for n in names], color="tab:blue")
+        axes[row][0].set_ylabel("requests/s")
+        axes[row][0].set_title(f"{scenario}: requests/s")
+        axes[row][1].bar(names, [rows[n]["ttft_p50_s"] or 0 for n in names], color="tab:orange", label="p50")
+        axes[row][1].scatter(names, [rows[n]["ttft_p99_s"] or 0 for n in names], color="k", marker="_", s=300,
+                             label="p99")  # fmt: skip
+        axes[row][1].set_ylabel("time to first token (s)")
+        axes[row][1].set_title(f"{scenario}: TTFT")
+        axes[row][1].legend()
+        for ax in axes[row]:
+            ax.tick_params(axis="x", rotation=30)
+            ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(paths["rates"], dpi=120)
+    plt.close(fig)
+
+    traces = results.get("running_trace", {})
+    fig, axes = plt.subplots(1, max(1, len(traces)), figsize=(6 * max(1, len(traces)), 3.6), squeeze=False)
+    for ax, (scenario, per_policy) in zip(axes[0], traces.items(), strict=False):
+        for name, points in per_policy.items():
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.step(xs, ys, where="post", label=name, lw=1)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("running sequences")
+        ax.set_title(f"{scenario}: running sequences over time")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(paths["running"], dpi=120)
+    plt.close(fig)
+    return paths
