@@ -1,28 +1,23 @@
 """The engine thread in-process over a scripted fake engine (no model): one request failing inside the engine ends
-alone, an exception escaping ``step()`` fails only the requests in flight, and an idle thread sleeps."""
+alone, an exception escaping ``step()`` fails only the requests in flight, each failure is counted once, and an idle
+thread sleeps."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
 
 from confkv.config import CachePolicy
+from confkv.engine.engine import StepOutput as Out
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
 from confkv.model_loader import tiny_random_tokenizer
 from confkv.server.engine_thread import EngineThread, GenerateRequest, RequestRejected
-
-
-@dataclass
-class Out:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    output: object = None
-    error: str | None = None
+from confkv.server.metrics import ServerMetrics
 
 
 @dataclass
@@ -42,14 +37,27 @@ class FakeEngine:
         self.tokenizer = tiny_random_tokenizer()
         self.max_model_len = 256
         self.policy = CachePolicy(controller="full")
+        self.policy_info = {"name": "full", "version": None, "source": "startup"}
         self.reqs: dict[str, dict] = {}
         self.steps = 0
         self.unfinished_calls = 0
+        self.errors: Counter[str] = Counter()
 
     def stats(self) -> dict:
-        return {"running": len(self.reqs), "waiting": 0, "steps": self.steps}
+        return {
+            "running": len(self.reqs),
+            "waiting": 0,
+            "steps": self.steps,
+            "request_errors": sum(self.errors.values()),
+            "request_errors_by_kind": dict(self.errors),
+        }
 
-    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, **kw) -> None:
+    def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def add_request(
+        self, rid: str, prompt: list[int], params: SamplingParams, *, chat: bool = False, policy_overrides=None
+    ) -> None:
         text = self.tokenizer.decode(prompt)
         if text.startswith("bad"):
             raise ConfkvError("prompt is bad")
@@ -73,6 +81,7 @@ class FakeEngine:
         for rid, r in list(self.reqs.items()):
             if r["text"].startswith("fail") and len(r["done"]) == 1:
                 del self.reqs[rid]
+                self.errors["sampling"] += 1
                 outs.append(Out(rid, [], True, Final("", r["done"], "error", error="bad luck"), error="bad luck"))
                 continue
             tok = r["todo"].pop(0)
@@ -128,6 +137,36 @@ def test_a_step_exception_fails_the_batch_but_the_thread_serves_on(thread):
     assert all(r == "error" and "kaboom" in e for _, r, e in first)
     assert again == ("ok!", "length", None)
     assert et.alive and et.healthy(60)
+
+
+def test_each_failure_is_counted_once_by_whoever_saw_it():
+    engine = FakeEngine()
+    et = EngineThread(engine)
+    et.metrics = ServerMetrics(
+        snapshot=lambda: et.stats_snapshot, policy_info=lambda: et.policy_snapshot[1], health=lambda: (True, False)
+    )
+    reg = et.metrics.registry
+
+    def errors() -> dict[str, float]:
+        fam = next(m for m in reg.collect() if m.name == "confkv:request_errors")
+        return {s.labels["kind"]: s.value for s in fam.samples}
+
+    async def main():
+        await collect(et, "a", "fail me")  # the engine fails it and counts it (kind "sampling")
+        await collect(et, "b", "boom")  # step() raises: only the thread knows (kind "engine")
+
+    et.start()
+    try:
+        asyncio.run(main())
+        deadline = time.monotonic() + 5
+        while errors()["engine_sampling"] != 1:  # the snapshot is taken just after the step's events are sent
+            assert time.monotonic() < deadline, errors()
+            time.sleep(0.01)
+    finally:
+        et.stop()
+    got = errors()
+    assert got["engine_sampling"] == 1 and got["engine"] == 1 and sum(got.values()) == 2, got
+    assert got["engine_too_large"] == got["engine_forward"] == got["too_large"] == 0
 
 
 def test_rejected_requests_raise_before_streaming(thread):

@@ -348,7 +348,7 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
                     getter.cancel()
 
     def engine_failure(ev: Event) -> JSONResponse:
-        # already counted as kind="engine" by the engine thread
+        # already counted: by the engine (kind="engine_<kind>") or, when step() raised, by the thread (kind="engine")
         body = error_body(500, f"the engine failed this request: {ev.error}", code="engine_error")
         return JSONResponse(body, status_code=500)
 

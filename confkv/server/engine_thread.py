@@ -12,8 +12,9 @@ safe to share either), and everything else talks to it through an inbox that it 
 
 When nothing is running the thread blocks on the inbox (no busy loop), waking once a second to refresh its
 heartbeat so ``/health`` can tell an idle engine from a dead one. A request the engine fails alone (its
-``StepOutput.error``) ends alone; an exception escaping ``step()`` (an engine bug) fails the requests in flight and
-the thread keeps serving new ones.
+``StepOutput.error``, counted by the engine in ``stats()["request_errors_by_kind"]``) ends alone; an exception
+escaping ``step()`` (an engine bug) fails the requests in flight, counted here as ``engine``, and the thread keeps
+serving new ones.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confkv.config import CachePolicy
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
 from confkv.server.detok import IncrementalDetokenizer
 from confkv.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from confkv.engine.engine import LLMEngine, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +139,11 @@ class EngineThread:
 
     def __init__(
         self,
-        engine: Any,
+        engine: LLMEngine,
         *,
         max_prompt_tokens: int | None = None,
         max_tokens_limit: int | None = None,
         metrics: ServerMetrics | None = None,
-        initial_policy_info: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -155,15 +158,8 @@ class EngineThread:
         self.heartbeat = time.monotonic()
         self.busy_since: float | None = None
         self.fatal: str | None = None
-        # Engines older than the policy-tracking API: the thread keeps the name/version/source itself.
-        self._local_info = dict(initial_policy_info or {})
-        self._local_refused = 0
-        self._local_swaps = 0
-        info = getattr(engine, "policy_info", None)
-        self._startup_info = dict(info) if info is not None else None
-        self.stats_snapshot: dict[str, Any] = self._read_stats()
-        self.policy_snapshot: tuple[CachePolicy, dict[str, Any]] = (engine.policy, self._read_policy_info())
-        self.supports_logprobs = "logprobs" in SamplingParams.model_fields
+        self.stats_snapshot: dict[str, Any] = dict(engine.stats())
+        self.policy_snapshot: tuple[CachePolicy, dict[str, Any]] = (engine.policy, dict(engine.policy_info))
 
     # ------------------------------------------------------------------------------------------ HTTP side API
     def start(self) -> None:
@@ -262,7 +258,7 @@ class EngineThread:
 
     def _beat(self) -> None:
         self.heartbeat = time.monotonic()
-        self.stats_snapshot = self._read_stats()
+        self.stats_snapshot = dict(self.engine.stats())
 
     def _drain(self, block: bool) -> bool:
         """Run queued commands; block (waking every second) when idle. False once asked to stop."""
@@ -310,27 +306,15 @@ class EngineThread:
             else:
                 cmd.future.set_result(self.policy_snapshot[1])
         elif cmd.kind == "refuse_policy":
-            source, reason = cmd.payload
-            record = getattr(self.engine, "record_refused_policy", None)
-            if record is not None:
-                record(source, reason)
-            else:
-                self._local_refused += 1
-            log.warning("policy from %s refused: %s", source, reason)
+            self.engine.record_refused_policy(*cmd.payload)  # counts and logs it
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         if req.messages is not None:
-            if hasattr(self.engine, "tokenize_messages"):
-                return list(self.engine.tokenize_messages(req.messages))
-            ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
+            return list(self.engine.tokenize_messages(req.messages))
         if isinstance(req.prompt, str):
             if not req.prompt.strip():
                 raise ConfkvError("prompt is empty")
-            tokenize = getattr(self.engine, "tokenize", None)
-            return list(tokenize(req.prompt)) if tokenize else list(self.tokenizer(req.prompt)["input_ids"])
+            return list(self.engine.tokenize(req.prompt))
         return [int(t) for t in req.prompt or []]
 
     def _add(self, req: GenerateRequest, stream: RequestStream) -> int:
@@ -356,29 +340,18 @@ class EngineThread:
                 "max_tokens",
             )
         if req.logprobs is not None:
-            if not self.supports_logprobs:
-                raise RequestRejected("logprobs are not supported by this engine build", "logprobs")
             kwargs["logprobs"] = req.logprobs
         try:
             params = SamplingParams(**kwargs)
         except ConfkvError as err:
             field = next((k for k in kwargs if f": {k}:" in f": {err}" or f" {k}:" in str(err)), None)
             raise RequestRejected(str(err), field) from None
-        extra: dict[str, Any] = {}
         if req.policy_overrides:
-            extra["policy_overrides"] = req.policy_overrides
-            check = getattr(self.engine, "controller_for", None)
-            if check is not None:
-                try:
-                    check(req.policy_overrides)
-                except ConfkvError as err:
-                    raise RequestRejected(f"cache_policy: {err}", "cache_policy") from None
-        try:
-            self.engine.add_request(req.request_id, ids, params, **extra)
-        except TypeError as err:
-            if extra and "policy_overrides" in str(err):
-                raise ConfkvError("per-request cache_policy overrides are not supported by this engine build") from None
-            raise
+            try:
+                self.engine.controller_for(req.policy_overrides)
+            except ConfkvError as err:
+                raise RequestRejected(f"cache_policy: {err}", "cache_policy") from None
+        self.engine.add_request(req.request_id, ids, params, policy_overrides=req.policy_overrides)
         self._live[req.request_id] = _Live(
             stream=stream,
             detok=IncrementalDetokenizer(self.tokenizer, params.stop),
@@ -403,39 +376,16 @@ class EngineThread:
         )
 
     def _set_policy(self, policy: CachePolicy, source: str, version: str | None, name: str | None) -> None:
-        if hasattr(self.engine, "policy_info"):
-            self.engine.set_policy(policy, source=source, version=version, name=name)
-        else:
-            self.engine.set_policy(policy)
-            self._local_swaps += 1
-            self._local_info = {"name": name or policy.controller, "version": version, "source": source}
-        self.policy_snapshot = (self.engine.policy, self._read_policy_info())
-        self.stats_snapshot = self._read_stats()
-        log.info("cache policy now %s", self.policy_snapshot[1])
+        self.engine.set_policy(policy, source=source, version=version, name=name)  # logs the swap
+        self.policy_snapshot = (self.engine.policy, dict(self.engine.policy_info))
+        self.stats_snapshot = dict(self.engine.stats())
 
-    def _read_policy_info(self) -> dict[str, Any]:
-        info = getattr(self.engine, "policy_info", None)
-        if info is not None:
-            info = dict(info)
-            if info == self._startup_info and self._local_info:  # still the start policy: say where it came from
-                info.update(self._local_info)
-            return info
-        out = {"name": self.engine.policy.controller, "version": None, "source": "startup"}
-        out.update(self._local_info)
-        return out
-
-    def _read_stats(self) -> dict[str, Any]:
-        stats = dict(self.engine.stats())
-        stats.setdefault("policy_swaps", self._local_swaps)
-        stats.setdefault("policy_swaps_refused", self._local_refused)
-        return stats
-
-    def _token_logprobs(self, out: Any) -> list[TokenLogprob] | None:
-        lp = getattr(out, "logprob", None)
+    def _token_logprobs(self, out: StepOutput) -> list[TokenLogprob] | None:
+        lp = out.logprob
         if lp is None:
             return None
         decode = self.tokenizer.decode
-        top = getattr(out, "top_logprobs", None)
+        top = out.top_logprobs
         tok = out.new_token_ids[-1]
         return [
             TokenLogprob(
@@ -445,7 +395,7 @@ class EngineThread:
             )
         ]
 
-    def _dispatch(self, outs: list[Any]) -> None:
+    def _dispatch(self, outs: list[StepOutput]) -> None:
         now = time.perf_counter()
         m = self.metrics
         for out in outs:
@@ -464,8 +414,7 @@ class EngineThread:
                 live.generated += len(ids)
                 if m is not None:
                     m.generation_tokens.inc(len(ids))
-                    for name, hist in (("entropy", m.entropy), ("gap", m.gap), ("resident", m.resident)):
-                        v = getattr(out, name, None)
+                    for v, hist in ((out.entropy, m.entropy), (out.gap, m.gap), (out.resident, m.resident)):
                         if v is not None:
                             hist.observe(v)
             logprobs = self._token_logprobs(out) if live.logprobs is not None and ids else None
@@ -476,7 +425,7 @@ class EngineThread:
                 continue
             del self._live[out.request_id]
             res = out.output
-            error = getattr(out, "error", None) or getattr(res, "error", None)
+            error = out.error
             if res is not None:
                 text = live.detok.add(ids)  # what this last token releases, then the rest of the engine's text
                 text += live.detok.finish(res.text)
@@ -485,8 +434,8 @@ class EngineThread:
             else:
                 text, reason, generated, kv = "", "error", live.generated, None
             if error is not None:
-                reason = "error"
-            self._finish_metrics(live, reason)
+                reason = "error"  # the engine failed it and counted it by kind: not counted again here
+            self._finish_metrics(live, reason, counted=error is not None)
             live.stream.push(
                 Event(
                     text,
@@ -500,13 +449,14 @@ class EngineThread:
                 )
             )
 
-    def _finish_metrics(self, live: _Live, reason: str) -> None:
+    def _finish_metrics(self, live: _Live, reason: str, counted: bool = False) -> None:
+        """Observe a finished request; an error the engine did not count itself (``counted``) is ``engine`` here."""
         m = self.metrics
         if m is None:
             return
         m.e2e.observe(time.perf_counter() - live.arrival)
         m.request_success.labels(reason).inc()
-        if reason == "error":
+        if reason == "error" and not counted:
             m.error("engine")
 
     def _fail_all(self, message: str, reason: str = "error") -> None:

@@ -17,7 +17,7 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -34,6 +34,9 @@ from confkv.server.policy_sources import (
     resolve_registry,
 )
 from confkv.server.settings import ServerSettings, settings_from_args
+
+if TYPE_CHECKING:
+    from confkv.engine.engine import LLMEngine
 
 log = logging.getLogger("confkv.server")
 
@@ -118,20 +121,15 @@ def build_policy(args: argparse.Namespace) -> tuple[CachePolicy, dict[str, Any],
     return policy, info, None
 
 
-def build_state(engine: Any, settings: ServerSettings, policy_info: dict[str, Any] | None = None) -> ServerState:
+def build_state(engine: LLMEngine, settings: ServerSettings) -> ServerState:
     """Engine thread + metrics + shared state over a loaded engine (the thread is started by the app's lifespan)."""
-    et = EngineThread(
-        engine,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        max_tokens_limit=settings.max_tokens_limit,
-        initial_policy_info=policy_info,
-    )
+    et = EngineThread(engine, max_prompt_tokens=settings.max_prompt_tokens, max_tokens_limit=settings.max_tokens_limit)
     state: ServerState
     metrics = ServerMetrics(
         snapshot=lambda: et.stats_snapshot,
         policy_info=lambda: et.policy_snapshot[1],
         health=lambda: (state.healthy(), state.draining),
-        device=getattr(engine, "device", None),
+        device=engine.device,
     )
     et.metrics = metrics
     state = ServerState(et, settings, metrics)
@@ -159,15 +157,15 @@ def serve(args: argparse.Namespace) -> int:
     )
     logging.getLogger("confkv").setLevel(args.log_level.upper())
     t0 = time.perf_counter()
-    engine = LLMEngine(config, policy)
-    pool_mib = engine.pool.total_bytes / 2**20 if hasattr(engine, "pool") else float("nan")
+    engine = LLMEngine(config, policy, policy_info=info)
     print(
-        f"confkv: model {args.model} loaded in {time.perf_counter() - t0:.1f}s on {getattr(engine, 'device', '?')}; "
-        f"policy {info['name']} (version {info['version']}, from {info['source']}); KV pool {pool_mib:.1f} MiB",
+        f"confkv: model {args.model} loaded in {time.perf_counter() - t0:.1f}s on {engine.device}; "
+        f"policy {info['name']} (version {info['version']}, from {info['source']}); "
+        f"KV pool {engine.pool.total_bytes / 2**20:.1f} MiB",
         file=sys.stderr,
         flush=True,
     )
-    state = build_state(engine, settings, info)
+    state = build_state(engine, settings)
     watchers: list[Any] = []
 
     @asynccontextmanager

@@ -11,12 +11,18 @@ Three sources, each read where it is cheap and safe:
 * Device memory through NVML (``nvidia-ml-py``, imported as ``pynvml``), only when the engine runs on CUDA and the
   package is installed; on a CPU machine those metrics are absent rather than zero.
 
+``confkv:request_errors_total{kind}`` joins the first two: the kinds the server counts itself (``ERROR_KINDS``: the
+4xx answers, 503s, a step that raised, internal errors) and the engine's own count of the requests it failed
+(``stats()["request_errors_by_kind"]``, exported as ``engine_<kind>``). Each failure is counted once, by whichever
+side saw it.
+
 Each server gets its own ``CollectorRegistry`` so several apps (tests) can live in one process.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +32,8 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
-#: kinds of request errors counted by ``confkv:request_errors``; zero-initialised so every series exists.
+#: kinds of request errors the server counts in ``confkv:request_errors``; zero-initialised so every series exists.
+#: ``engine`` is a request failed because an exception escaped ``step()`` (the engine did not count it itself).
 ERROR_KINDS: tuple[str, ...] = (
     "bad_request",
     "unauthorized",
@@ -36,6 +43,10 @@ ERROR_KINDS: tuple[str, ...] = (
     "engine",
     "internal",
 )
+#: kinds of ``stats()["request_errors_by_kind"]``: a request that can never fit the pool, a forward pass that raised
+#: for it alone, a failed sampling step. Exported as ``engine_<kind>`` (``too_large`` alone would read as the 413).
+ENGINE_ERROR_KINDS: tuple[str, ...] = ("too_large", "forward", "sampling")
+ENGINE_ERROR_PREFIX = "engine_"
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 
 #: gauges read from ``engine.stats()``: metric name -> (stats key, help)
@@ -106,6 +117,38 @@ class EngineCollector(Collector):
         healthy, draining = self._health()
         yield GaugeMetricFamily("confkv:healthy", "1 while /health answers 200.", value=1.0 if healthy else 0.0)
         yield GaugeMetricFamily("confkv:draining", "1 after SIGTERM, while requests drain.", value=float(draining))
+
+
+class RequestErrors(Collector):
+    """``confkv:request_errors``: the server's own kinds, counted here, with the engine's, read from its snapshot."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
+
+    def inc(self, kind: str) -> None:
+        with self._lock:
+            self._counts[kind if kind in ERROR_KINDS else "internal"] += 1
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts = dict(self._counts)
+        engine = dict.fromkeys(ENGINE_ERROR_KINDS, 0)
+        engine.update((self._snapshot() or {}).get("request_errors_by_kind", {}))
+        fam = CounterMetricFamily(
+            "confkv:request_errors",
+            "Failed requests by kind: the server's (4xx, unavailable, engine, internal) and the engine's (engine_*).",
+            labels=["kind"],
+        )
+        for kind, n in counts.items():
+            fam.add_metric([kind], float(n))
+        for kind, n in engine.items():
+            fam.add_metric([ENGINE_ERROR_PREFIX + kind], float(n))
+        yield fam
 
 
 class NvmlCollector(Collector):
@@ -215,17 +258,15 @@ class ServerMetrics:
         self.request_success = Counter(
             "confkv:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
-        self.request_errors = Counter(
-            "confkv:request_errors", "Failed requests by kind (4xx kinds, engine, internal).", ["kind"], registry=r
-        )
+        self.request_errors = RequestErrors(snapshot)
         for reason in FINISH_REASONS:
             self.request_success.labels(reason)
-        for kind in ERROR_KINDS:
-            self.request_errors.labels(kind)
+        r.register(self.request_errors)
         r.register(EngineCollector(snapshot, policy_info, health))
         nvml = make_nvml_collector(device) if device is not None else None
         if nvml is not None:
             r.register(nvml)
 
     def error(self, kind: str) -> None:
-        self.request_errors.labels(kind if kind in ERROR_KINDS else "internal").inc()
+        """Count a failure the server saw itself (``ERROR_KINDS``; anything else counts as ``internal``)."""
+        self.request_errors.inc(kind)
