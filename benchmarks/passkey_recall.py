@@ -44,11 +44,11 @@ def main() -> None:
     result: dict = {**env, "items": len(items), "mean_prompt_tokens": sum(i.num_tokens for i in items) / len(items)}
     runs = {
         "full": run("full"),
-        "dynamic (attention importance)": run("dynamic"),
-        "dynamic (recency importance)": run("dynamic", importance="recency"),
-        "dynamic (recency, scaling 1.0: no expansion)": run("dynamic", importance="recency", scaling_factor=1.0),
+        "dynamic (h2o scorer)": run("dynamic"),
+        "dynamic (recency scorer)": run("dynamic", scorer="recency"),
+        "dynamic (recency, scaling 1.0: no expansion)": run("dynamic", scorer="recency", scaling_factor=1.0),
     }
-    budget = int(math.ceil(runs["dynamic (recency importance)"][1] / 16) * 16)
+    budget = int(math.ceil(runs["dynamic (recency scorer)"][1] / 16) * 16)
     result["baseline_budget_tokens"] = budget
     for name in ("window", "streaming", "h2o", "snapkv"):
         runs[f"{name} (max_size {budget})"] = run(name, max_size=budget, base_size=budget, min_recent=budget // 2)

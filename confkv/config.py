@@ -14,10 +14,16 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, mo
 
 from confkv.errors import ConfkvError
 
-#: Controllers the engine knows; ``confkv.controllers`` holds one class per name.
-CONTROLLER_NAMES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic", "learned")
-#: The built-in policies (``learned`` needs an exported policy folder).
-BUILTIN_POLICIES: tuple[str, ...] = CONTROLLER_NAMES[:-1]
+#: Controllers the engine knows; ``confkv.controllers`` holds one class per name. ``window``, ``streaming``,
+#: ``h2o`` and ``snapkv`` are presets of ``fixed`` (a fixed budget) with a scorer each.
+CONTROLLER_NAMES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic", "fixed", "learned")
+#: The built-in policies, the ones benchmarks compare (``learned`` needs an exported policy folder).
+BUILTIN_POLICIES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic")
+#: The scorer each preset uses; ``dynamic``, ``learned`` and ``fixed`` take the policy's ``scorer`` key.
+PRESET_SCORERS: dict[str, str] = {"window": "recency", "streaming": "recency", "h2o": "h2o", "snapkv": "snapkv"}
+DEFAULT_SCORER = {"dynamic": "h2o", "learned": "h2o", "fixed": "recency"}
+#: The old ``importance`` key, still read from policy files: what each value meant, as a scorer.
+_IMPORTANCE_SCORERS = {"attention": "h2o", "recency": "recency"}
 
 
 class CachePolicy(BaseModel):
@@ -49,16 +55,48 @@ class CachePolicy(BaseModel):
         "(default: memory_high_watermark - 0.1)",
     )
     snapkv_window: int = Field(32, ge=1, description="prompt queries that vote for the tokens snapkv keeps")
-    importance: Literal["attention", "recency"] = Field(
-        "attention", description="how dynamic ranks blocks to evict: attention received, or age"
+    scorer: str | None = Field(
+        None,
+        description="how evictable blocks are ranked (h2o, snapkv, tova, knorm, recency); default: the "
+        "controller's own (dynamic: h2o)",
     )
     recompute_tokens: int = Field(1, ge=1, description="trailing tokens recomputed after a recall (dynamic)")
     learned_path: str | None = Field(None, description="exported policy folder (controller 'learned')")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_importance(cls, values: Any) -> Any:
+        """Policy files written before scorers existed say ``importance: attention|recency``."""
+        if isinstance(values, dict) and "importance" in values:
+            values = dict(values)
+            old = values.pop("importance")
+            if old not in _IMPORTANCE_SCORERS:
+                raise ValueError(f"importance must be attention or recency (got {old!r}); it is now the scorer key")
+            values.setdefault("scorer", _IMPORTANCE_SCORERS[old])
+        return values
+
+    @property
+    def effective_scorer(self) -> str | None:
+        """The scorer this policy ranks blocks with (``None`` for ``full``, which never evicts)."""
+        if self.controller == "full":
+            return None
+        return PRESET_SCORERS.get(self.controller) or self.scorer or DEFAULT_SCORER[self.controller]
 
     @model_validator(mode="after")
     def _check_ranges(self) -> CachePolicy:
         if self.controller not in CONTROLLER_NAMES:
             raise ValueError(f"controller must be one of {', '.join(CONTROLLER_NAMES)} (got {self.controller!r})")
+        if self.scorer is not None:
+            from confkv.scorers import SCORER_NAMES
+
+            if self.scorer not in SCORER_NAMES:
+                raise ValueError(f"scorer must be one of {', '.join(SCORER_NAMES)} (got {self.scorer!r})")
+            preset = PRESET_SCORERS.get(self.controller)
+            if preset is not None and self.scorer != preset:
+                raise ValueError(
+                    f"controller {self.controller!r} is the preset fixed + {preset}; for another scorer use "
+                    f"controller: fixed with scorer: {self.scorer}"
+                )
         if self.memory_low_watermark is not None and self.memory_low_watermark > self.memory_high_watermark:
             raise ValueError(
                 f"memory_low_watermark ({self.memory_low_watermark}) must be <= memory_high_watermark "

@@ -1,8 +1,9 @@
 """What sets each sequence's KV budget: the confidence rule from the requirement and the fixed baselines.
 
-A controller is pure: ``update(state, signals) -> state`` and nothing else, so it can be unit-tested step by step,
-swapped between engine steps, and (later) replaced by a learned one. The cache manager turns the budget into block
-moves; the class attributes tell it how to rank blocks and which attention to record for that ranking.
+A cache policy is a budget rule (this module) plus a block scorer (``confkv.scorers``). A controller's budget rule is
+pure: ``update(state, signals) -> state`` and nothing else, so it can be unit-tested step by step, swapped between
+engine steps, and replaced by a learned one. The cache manager turns the budget into block moves and asks the
+controller's ``scorer`` which blocks to move; the scorer tells the attention function what to record.
 
 The ``dynamic`` rule, exactly. With ``a = 1 - scaling_factor`` and ``B`` the budget in tokens (starting at
 ``base_size``), after every computed token:
@@ -21,9 +22,11 @@ from __future__ import annotations
 import math
 from abc import ABC
 from dataclasses import dataclass, replace
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from confkv.config import CachePolicy
+from confkv.scorers import BlockScorer, make_scorer
+from confkv.scorers.base import DecodeRecord, PrefillRecord
 
 
 @dataclass(frozen=True)
@@ -48,24 +51,36 @@ class BudgetState:
 
 
 class Controller(ABC):
-    """Base class: a fixed budget of ``max_size`` tokens; subclasses set how blocks are ranked."""
+    """Base class: a fixed budget of ``max_size`` tokens, blocks ranked by the policy's scorer."""
 
     name: ClassVar[str]
     #: Whether the policy ever removes KV from the device (``full`` does not).
     evicts: ClassVar[bool] = True
-    #: How evictable blocks are ranked: by position (oldest first) or by the attention they received.
-    importance: ClassVar[Literal["recency", "attention"]] = "recency"
-    #: Which prefill queries' attention is recorded: none, all of them (H2O), or the last ``snapkv_window``.
-    prefill_attention: ClassVar[Literal["none", "all", "window"]] = "none"
-    #: Whether decode-time attention keeps adding to block importance.
-    decode_attention: ClassVar[bool] = False
     #: Whether expansion brings evicted blocks back from the host tier (and recomputes the step).
     recalls: ClassVar[bool] = False
-    #: Whether long prompts are trimmed chunk by chunk (bounded peak memory) or only once the prompt is read.
-    evicts_during_prefill: ClassVar[bool] = True
 
     def __init__(self, policy: CachePolicy) -> None:
         self.policy = policy
+        name = policy.effective_scorer
+        self.scorer: BlockScorer | None = make_scorer(name, policy) if self.evicts and name else None
+
+    @property
+    def prefill_attention(self) -> PrefillRecord:
+        """Which prefill queries' attention the attention function records (for the scorer)."""
+        return self.scorer.prefill_attention if self.scorer else "none"
+
+    @property
+    def decode_attention(self) -> DecodeRecord:
+        return self.scorer.decode_attention if self.scorer else "none"
+
+    @property
+    def prefill_window(self) -> int:
+        return self.scorer.prefill_window if self.scorer else 0
+
+    @property
+    def evicts_during_prefill(self) -> bool:
+        """Whether a long prompt is trimmed chunk by chunk (bounded peak memory) or only once it is read."""
+        return self.evicts and not (self.scorer and self.scorer.needs_whole_prompt)
 
     @property
     def sink_tokens(self) -> int:
@@ -109,8 +124,14 @@ class FullController(Controller):
     evicts = False
 
 
-class WindowController(Controller):
-    """The last ``max_size`` tokens, no sinks."""
+class FixedController(Controller):
+    """A fixed budget of ``max_size`` tokens, ranked by the policy's scorer (default: recency)."""
+
+    name = "fixed"
+
+
+class WindowController(FixedController):
+    """Preset: the last ``max_size`` tokens, no sinks (fixed + recency)."""
 
     name = "window"
 
@@ -119,49 +140,29 @@ class WindowController(Controller):
         return 0
 
 
-class StreamingController(Controller):
-    """StreamingLLM: ``sink_tokens`` attention sinks plus the most recent tokens, ``max_size`` in all."""
+class StreamingController(FixedController):
+    """Preset, StreamingLLM: ``sink_tokens`` attention sinks plus the most recent tokens (fixed + recency)."""
 
     name = "streaming"
 
 
-class H2OController(Controller):
-    """Heavy hitters by accumulated attention (prefill and decode) plus the ``min_recent`` most recent tokens."""
+class H2OController(FixedController):
+    """Preset: heavy hitters by accumulated attention plus the ``min_recent`` most recent tokens (fixed + h2o)."""
 
     name = "h2o"
-    importance = "attention"
-    prefill_attention = "all"
-    decode_attention = True
 
 
-class SnapKVController(Controller):
-    """After prefill keep what the prompt's last ``snapkv_window`` queries attend to, then a sliding window.
-
-    Decode-time attention is not recorded, so generated tokens rank lowest once they leave the recent window:
-    the prefill selection stays and the rest slides.
-    """
+class SnapKVController(FixedController):
+    """Preset: the prompt's last queries select what stays, then a sliding window (fixed + snapkv)."""
 
     name = "snapkv"
-    importance = "attention"
-    prefill_attention = "window"
-    evicts_during_prefill = False
 
 
 class DynamicController(Controller):
-    """CONF-KV: the budget follows the model's confidence between ``base_size`` and ``max_size``."""
+    """CONF-KV: the budget follows the model's confidence between ``base_size`` and ``max_size`` (any scorer)."""
 
     name = "dynamic"
-    importance = "attention"
-    prefill_attention = "all"
-    decode_attention = True
     recalls = True
-
-    def __init__(self, policy: CachePolicy) -> None:
-        super().__init__(policy)
-        if policy.importance == "recency":
-            self.importance = "recency"
-            self.prefill_attention = "none"
-            self.decode_attention = False
 
     @property
     def protected_recent(self) -> int:
@@ -191,7 +192,15 @@ class DynamicController(Controller):
 
 CONTROLLERS: dict[str, type[Controller]] = {
     c.name: c
-    for c in (FullController, WindowController, StreamingController, H2OController, SnapKVController, DynamicController)
+    for c in (
+        FullController,
+        FixedController,
+        WindowController,
+        StreamingController,
+        H2OController,
+        SnapKVController,
+        DynamicController,
+    )
 }
 
 

@@ -77,12 +77,13 @@ def test_baseline_shapes():
     streaming = make_controller(CachePolicy(controller="streaming", **p))
     assert streaming.sink_tokens == 4 and streaming.protected_recent == 252  # sinks + recent = max_size
     h2o = make_controller(CachePolicy(controller="h2o", max_size=1024, min_recent=256))
-    assert h2o.importance == "attention" and h2o.prefill_attention == "all" and h2o.protected_recent == 256
+    assert h2o.scorer.name == "h2o" and h2o.prefill_attention == "all" and h2o.protected_recent == 256
+    assert h2o.decode_attention == "accumulate"
     snap = make_controller(CachePolicy(controller="snapkv", max_size=1024, min_recent=256))
-    assert snap.prefill_attention == "window" and not snap.decode_attention and not snap.evicts_during_prefill
+    assert snap.prefill_attention == "window" and snap.decode_attention == "none" and not snap.evicts_during_prefill
 
 
-def test_recency_importance_option():
-    c = dynamic(importance="recency")
-    assert c.importance == "recency" and c.prefill_attention == "none" and c.recalls
+def test_recency_scorer_option():
+    c = dynamic(scorer="recency")
+    assert c.scorer.name == "recency" and c.prefill_attention == "none" and c.recalls
     assert isinstance(c.init_state(), BudgetState)

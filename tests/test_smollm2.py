@@ -48,12 +48,12 @@ def passkey_llm():
 def test_passkey_recall(passkey_llm):
     """dynamic with a small base answers keys that window/streaming at dynamic's mean resident size lose.
 
-    ``importance=recency`` ranks blocks by position only, so the key block is surely evicted during decoding
+    ``scorer=recency`` ranks blocks by position only, so the key block is surely evicted during decoding
     setup and can only come back through confidence-triggered recall; ``scaling_factor=1`` (no expansion) shows
     that recall, not the ranking, answers.
     """
     small = dict(base_size=256, min_recent=128, max_size=2048)
-    llm = LLM("smollm2-135m", "dynamic", loaded=passkey_llm, importance="recency", **small)
+    llm = LLM("smollm2-135m", "dynamic", loaded=passkey_llm, scorer="recency", **small)
     correct, mean_resident, outs = _passkey(llm)
     assert correct == len(PASSKEY_ITEMS)
     assert all(o.kv["recalled_blocks"] > 0 and o.kv["expansions"] > 0 for o in outs)
@@ -63,7 +63,7 @@ def test_passkey_recall(passkey_llm):
     frozen, _, _ = _passkey(llm)
     assert frozen == 0
 
-    llm.engine.set_policy(llm.policy.replace(importance="attention", scaling_factor=0.8))
+    llm.engine.set_policy(llm.policy.replace(scorer="h2o", scaling_factor=0.8))
     attention, _, _ = _passkey(llm)
     assert attention == len(PASSKEY_ITEMS)
 

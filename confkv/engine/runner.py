@@ -58,6 +58,7 @@ class ModelRunner:
         resident: list[int] = []
         decode_keys: list[tuple[torch.Tensor, torch.Tensor]] = []
         decode_qpos: list[int] = []
+        replace: list[torch.Tensor] = []  # slots whose recorded attention this pass replaces rather than adds to
         decode_track: list[float] = []
         prefills: list[PrefillSpan] = []
         sample_rows: list[int] = []
@@ -85,19 +86,29 @@ class ModelRunner:
                 spans.append((len(sample_rows), 0))
             if chunk.samples:
                 sampling.append(chunk)
+            decode_mode = controller.decode_attention if track else "none"
             if n == 1:
                 decode_keys.append((key_slots, key_pos))
                 decode_qpos.append(start)
-                decode_track.append(1.0 if track and controller.decode_attention else 0.0)
+                decode_track.append(0.0 if decode_mode == "none" else 1.0)
+                if decode_mode == "replace":
+                    replace.append(key_slots)
                 capture_decode = capture_decode or seq.seq_id in capture
             else:
                 if chunk.samples and seq.seq_id in capture:
                     prefill_captures.append(seq.seq_id)
                 mode = controller.prefill_attention if track else "none"
+                window = controller.prefill_window
                 if start >= seq.num_prompt_tokens:  # a teacher-forced chunk of output: decode-time rules
-                    mode = "all" if track and controller.decode_attention else "none"
-                elif mode == "window" and start + n < seq.num_prompt_tokens - controller.policy.snapkv_window:
+                    mode, window = {"none": ("none", 0), "accumulate": ("all", 0), "replace": ("window", 1)}[
+                        decode_mode
+                    ]
+                    if decode_mode == "replace":
+                        replace.append(key_slots)
+                elif mode == "window" and start + n < seq.num_prompt_tokens - window:
                     mode = "none"
+                elif mode == "window" and decode_mode == "replace":
+                    replace.append(key_slots)
                 prefills.append(
                     PrefillSpan(
                         q_start=row,
@@ -107,7 +118,7 @@ class ModelRunner:
                         q_pos=torch.arange(start, start + n, device=device),
                         fresh=start == 0,
                         track=mode,
-                        window_start=seq.num_prompt_tokens - controller.policy.snapkv_window,
+                        window_start=(seq.num_prompt_tokens if start < seq.num_prompt_tokens else start + n) - window,
                         capture=chunk.samples and seq.seq_id in capture,
                     )
                 )
@@ -139,6 +150,8 @@ class ModelRunner:
                 batch.decode_track = torch.tensor(decode_track, device=device)[:, None]
         if (batch.decode_track is not None) or any(p.track != "none" for p in prefills):
             batch.score = torch.zeros_like(self.pool.score)
+            if replace:
+                batch.replace_slots = torch.cat(replace)
 
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
@@ -162,6 +175,10 @@ class ModelRunner:
         )
 
     def commit(self, res: ForwardResult) -> None:
-        """Add the attention mass the pass recorded to block importance (only once the pass has succeeded)."""
-        if res.batch.score is not None:
-            self.pool.score.add_(res.batch.score)
+        """Add the attention mass the pass recorded to what scorers read (only once the pass has succeeded);
+        for scorers that keep only the newest query's attention, replace it instead."""
+        batch = res.batch
+        if batch.score is not None:
+            if batch.replace_slots is not None:
+                self.pool.score.index_fill_(0, batch.replace_slots, 0.0)
+            self.pool.score.add_(batch.score)

@@ -67,6 +67,8 @@ class PackedBatch:
     prefills: list[PrefillSpan] = field(default_factory=list)
     #: Attention mass recorded by this pass, per pool slot; the runner adds it to ``pool.score`` on success.
     score: torch.Tensor | None = None
+    #: Slots whose recorded mass this pass replaces (scorers that keep only the newest query's attention).
+    replace_slots: torch.Tensor | None = None
     #: Set by ``probe``: what every layer call received, to check the model against what is implemented.
     probe: list[dict[str, Any]] | None = None
     #: Filled per layer when capture is on: decode rows then capturing prefill spans, in that order.

@@ -2,7 +2,8 @@
 
 Every sequence carries its own controller (the engine's policy, or the policy with a request's overrides) and an
 *applied budget*. After every step a sequence holding more than its applied budget gives up its least important
-evictable blocks (never the attention sinks, never the ``min_recent`` most recent tokens) to the host tier.
+evictable blocks (never the attention sinks, never the ``min_recent`` most recent tokens), as its controller's scorer
+ranks them, to the host tier.
 
 How the applied budget moves:
 
@@ -33,6 +34,7 @@ from confkv.controllers import Controller
 from confkv.kv.block_table import DROPPED, ON_HOST, BlockTable
 from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
+from confkv.scorers import BlockView
 
 
 @dataclass
@@ -243,13 +245,14 @@ class CacheManager:
         if excess <= 0 or not candidates:
             return 0
         table, bs = kv.table, self.block_size
-        if kv.controller.importance == "attention":
+        scorer = kv.controller.scorer
+        if scorer is None:
+            ranked = candidates
+        else:
             ids = torch.tensor([table.entries[i] for i in candidates], device=self.pool.device)
-            scores = self.pool.score.view(-1, bs)[ids].sum(dim=-1).tolist()
+            scores = scorer.score(BlockView(self.pool, candidates, ids)).tolist()
             order = sorted(range(len(candidates)), key=lambda j: (scores[j], candidates[j]))
             ranked = [candidates[j] for j in order]
-        else:
-            ranked = candidates
         victims = ranked[: min(len(ranked), math.ceil(excess / bs))]
         victims.sort()
         block_ids = [table.entries[i] for i in victims]

@@ -1,0 +1,79 @@
+"""What every way of ranking evictable KV blocks shares: the view it scores and the class it subclasses.
+
+A scorer is one small class with one ``score()`` (kvpress's presses are the model). It says what the attention
+function must record for it (``prefill_attention``, ``decode_attention``) and, from what was recorded, gives every
+evictable block one number: higher means keep. The cache manager evicts the lowest first (the oldest on ties).
+Adding a method is one file with one subclass, registered by name with ``@register``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from confkv.config import CachePolicy
+    from confkv.kv.pool import BlockPool
+
+PrefillRecord = Literal["none", "all", "window"]
+DecodeRecord = Literal["none", "accumulate", "replace"]
+
+
+@dataclass
+class BlockView:
+    """The evictable blocks of one sequence, in position order, and what is known about them."""
+
+    pool: BlockPool
+    logical: list[int]  # logical block indices (position order)
+    block_ids: torch.Tensor  # their device block ids, [n]
+
+    @property
+    def mass(self) -> torch.Tensor:
+        """Attention mass each slot has received as recorded for this scorer, ``[n, block_size]``."""
+        return self.pool.score.view(-1, self.pool.block_size)[self.block_ids]
+
+    def keys(self) -> torch.Tensor:
+        """The blocks' keys (after RoPE), ``[layers, n, block_size, kv_heads, head_dim]``."""
+        pool = self.pool
+        slots = pool.slots_of(self.block_ids)
+        return pool.k[:, slots].reshape(pool.num_layers, len(self.logical), pool.block_size, pool.num_kv_heads, -1)
+
+
+class BlockScorer(ABC):
+    """Ranks a sequence's evictable blocks; see the module docstring."""
+
+    name: ClassVar[str]
+    #: Which prefill queries' attention the attention function records: none, a sample of all (accumulated
+    #: attention), or the last ``prefill_window`` queries of the prompt.
+    prefill_attention: ClassVar[PrefillRecord] = "none"
+    #: Whether decode queries' attention is added to what was recorded, replaces it, or is not recorded.
+    decode_attention: ClassVar[DecodeRecord] = "none"
+    #: Whether the whole prompt must be resident when the scores are read (a selection made once the prompt
+    #: has been read, as SnapKV's), so the prompt is not trimmed while it is read.
+    needs_whole_prompt: ClassVar[bool] = False
+
+    def __init__(self, policy: CachePolicy) -> None:
+        self.policy = policy
+
+    @property
+    def prefill_window(self) -> int:
+        """How many of the prompt's last queries vote when ``prefill_attention == "window"``."""
+        return self.policy.snapkv_window
+
+    @abstractmethod
+    def score(self, view: BlockView) -> torch.Tensor:
+        """One score per block of ``view`` (``[n]``, any float dtype): higher means keep."""
+
+
+SCORERS: dict[str, type[BlockScorer]] = {}
+
+
+def register(cls: type[BlockScorer]) -> type[BlockScorer]:
+    """Class decorator: make a scorer available by its ``name`` (the ``scorer:`` policy key)."""
+    if cls.name in SCORERS:
+        raise ValueError(f"scorer {cls.name!r} is registered twice")
+    SCORERS[cls.name] = cls
+    return cls
