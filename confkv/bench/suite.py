@@ -102,7 +102,7 @@ def baseline_policy(dynamic: CachePolicy, name: str, budget: int | None = None) 
     """A fixed baseline beside ``dynamic``: ``budget`` tokens (default twice its base), half of them recent."""
     budget = budget or 2 * dynamic.base_size
     return dynamic.replace(
-        controller=name, base_size=budget, max_size=budget, min_recent=max(dynamic.block_size, budget // 2)
+        controller=name, scorer=None, base_size=budget, max_size=budget, min_recent=max(dynamic.block_size, budget // 2)
     )
 
 
