@@ -1,0 +1,546 @@
+"""The session record format and the object store, on memory://, a local folder and a real S3 API.
+
+The S3 API is moto's standalone server (``moto.server.ThreadedMotoServer``) on a free loopback port, reached through
+s3fs over HTTP exactly as a production S3-compatible service would be. Moto keeps its objects in this process, so a
+server stopped and started again on the same port still holds them: an outage, not a wipe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from confkv.errors import ConfkvError
+from confkv.sessions import (
+    BlockKV,
+    CorruptRecord,
+    ForeignRecord,
+    RecordMissing,
+    SessionRecord,
+    SessionStore,
+    StoreUnavailable,
+    decode,
+    decode_tokens,
+    encode,
+    encode_tokens,
+    model_fingerprint,
+    read_header,
+)
+from confkv.sessions.record import RECORD_MAGIC
+
+FP = "f" * 64
+EXPECT = {"model_fingerprint": FP, "block_size": 16, "dtype": "float32"}
+
+
+def make_record(
+    session_id: str = "s1",
+    *,
+    n_tokens: int = 100,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    layers: int = 2,
+    heads: int = 2,
+    dim: int = 8,
+    dropped: tuple[int, ...] = (1,),
+    seed: int = 0,
+    fingerprint: str = FP,
+) -> SessionRecord:
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = -(-n_tokens // block_size)
+    blocks = {
+        i: BlockKV(
+            k=torch.randn(layers, block_size, heads, dim, generator=g).to(dtype),
+            v=torch.randn(layers, block_size, heads, dim, generator=g).to(dtype),
+            score=torch.rand(block_size, generator=g),
+        )
+        for i in range(n_blocks)
+        if i not in dropped
+    }
+    return SessionRecord(
+        session_id=session_id,
+        model_fingerprint=fingerprint,
+        block_size=block_size,
+        dtype=str(dtype).removeprefix("torch."),
+        token_ids=torch.randint(0, 50_000, (n_tokens,), generator=g).tolist(),
+        num_computed=max(0, n_tokens - 1),
+        blocks=blocks,
+        controller={"budget": 0.5, "steps": 7, "history": [1.5, 2.25]},
+        policy={"name": "dynamic", "base": 256, "max": 1024},
+        policy_version="dynamic@3",
+        created_at=1_700_000_000.25,
+        updated_at=1_700_000_100.5,
+        meta={"user": "u1", "turns": 3},
+    )
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(a: SessionRecord, b: SessionRecord) -> None:
+    """Every field equal, every tensor bit-identical (and of the same dtype and shape)."""
+    for name in ("session_id", "model_fingerprint", "block_size", "dtype", "token_ids", "num_computed", "controller"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in ("policy", "policy_version", "created_at", "updated_at", "meta"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert sorted(a.blocks) == sorted(b.blocks)
+    for i, blk in a.blocks.items():
+        other = b.blocks[i]
+        for t, u in ((blk.k, other.k), (blk.v, other.v), (blk.score, other.score)):
+            assert t.dtype == u.dtype and t.shape == u.shape
+            assert bits(t) == bits(u), f"block {i} differs"
+
+
+def reframe(blob: bytes, **changes: object) -> bytes:
+    """``blob`` with header fields changed and the header digest recomputed: a sound record that says otherwise."""
+    (hlen,) = struct.unpack_from("<I", blob, 8)
+    header = json.loads(blob[12 : 12 + hlen])
+    header.update(changes)
+    hb = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return b"".join((blob[:8], struct.pack("<I", len(hb)), hb, hashlib.sha256(hb).digest(), blob[12 + hlen + 32 :]))
+
+
+# ------------------------------------------------------------------------------------------------ the record format
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_record_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
+    rec = make_record(dtype=dtype)
+    blob = encode(rec)
+    assert blob.startswith(RECORD_MAGIC)
+    back = decode(blob, expect={**EXPECT, "dtype": dtype})
+    assert_same(rec, back)
+    header = read_header(blob)
+    assert header["format_version"] == 1 and header["codec"] == "zstd"
+    assert header["block_indices"] == [0, 2, 3, 4, 5, 6]  # block 1 was dropped for good
+    assert header["tensors"]["k"]["shape"] == [6, 2, 16, 2, 8]
+
+
+def test_record_without_blocks_or_tokens() -> None:
+    rec = make_record(n_tokens=0, dropped=())
+    assert rec.blocks == {}
+    back = decode(encode(rec), expect=EXPECT)
+    assert back.token_ids == [] and back.blocks == {} and back.num_computed == 0
+
+
+def test_tokens_object_is_small_and_readable_alone() -> None:
+    rec = make_record(n_tokens=2_000)
+    tokens_blob, record_blob = encode_tokens(rec), encode(rec)
+    assert len(tokens_blob) < len(record_blob) / 10
+    tokens = decode_tokens(tokens_blob, expect={"model_fingerprint": FP})
+    assert tokens.token_ids == rec.token_ids and tokens.session_id == "s1" and tokens.updated_at == rec.updated_at
+    with pytest.raises(CorruptRecord, match="tokens-only object"):
+        decode(tokens_blob)  # one object kind is never mistaken for the other
+    with pytest.raises(CorruptRecord):
+        decode_tokens(record_blob)
+
+
+def test_inconsistent_records_are_refused_at_encode() -> None:
+    rec = make_record()
+    rec.blocks[0].k = rec.blocks[0].k.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        encode(rec)
+    rec = make_record()
+    rec.blocks[9] = rec.blocks[0]  # past the computed tokens
+    with pytest.raises(ValueError, match="outside"):
+        encode(rec)
+    rec = make_record()
+    rec.controller = {"x": object()}
+    with pytest.raises(ValueError, match="JSON"):
+        encode(rec)
+
+
+@pytest.mark.parametrize("keep", [0, 5, 11, 40, 300, -200, -1])
+def test_truncated_record_is_corrupt(keep: int) -> None:
+    blob = encode(make_record())
+    with pytest.raises(CorruptRecord):
+        decode(blob[:keep], expect=EXPECT)
+
+
+@pytest.mark.parametrize("where", ["magic", "length", "header", "digest", "payload", "last"])
+def test_flipped_byte_is_corrupt(where: str) -> None:
+    blob = bytearray(encode(make_record()))
+    (hlen,) = struct.unpack_from("<I", blob, 8)
+    pos = {"magic": 3, "length": 9, "header": 12 + hlen // 2, "digest": 12 + hlen + 5}.get(where)
+    pos = {"payload": 12 + hlen + 32 + 100, "last": len(blob) - 1}.get(where, pos)
+    blob[pos] ^= 0x10
+    with pytest.raises(CorruptRecord):
+        decode(bytes(blob), expect=EXPECT)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("model_fingerprint", "0" * 64), ("block_size", 32), ("dtype", "bfloat16"), ("dtype", torch.float16)],
+)
+def test_record_for_another_model_is_foreign(field: str, value: object) -> None:
+    blob = encode(make_record())
+    with pytest.raises(ForeignRecord, match=field):
+        decode(blob, expect={**EXPECT, field: value})
+    decode(blob, expect=EXPECT)  # and the same bytes are fine for the model they were made for
+
+
+def test_other_format_version_is_foreign_and_bad_expect_is_a_bug() -> None:
+    blob = encode(make_record())
+    with pytest.raises(ForeignRecord, match="format version 2"):
+        decode(reframe(blob, format_version=2), expect=EXPECT)
+    with pytest.raises(ForeignRecord, match="codec"):
+        decode(reframe(blob, codec="lz4"))
+    with pytest.raises(CorruptRecord, match="tensors"):  # a header that lies about the payload
+        decode(reframe(blob, tensors={}))
+    with pytest.raises(ValueError, match="expect may only name"):
+        decode(blob, expect={"model": "x"})
+
+
+def test_model_fingerprint_tells_weights_apart_and_ignores_load_details() -> None:
+    from confkv.model_loader import tiny_random_model, tiny_random_tokenizer
+
+    tok = tiny_random_tokenizer()
+    a, a_again, b = tiny_random_model(0), tiny_random_model(0), tiny_random_model(1)
+    fp = model_fingerprint(a, tok)
+    assert len(fp) == 64
+    assert model_fingerprint(a_again, tok) == fp
+    assert model_fingerprint(b, tok) != fp  # same config, other weights: the config alone would not see it
+    a_again.config._name_or_path = "/somewhere/else"
+    a_again.set_attn_implementation("sdpa")
+    assert model_fingerprint(a_again, tok) == fp
+    assert model_fingerprint(a.to(torch.bfloat16), tok) != fp
+    tok.add_tokens(["<extra>"])
+    assert model_fingerprint(tiny_random_model(0), tok) != fp
+
+
+# ------------------------------------------------------------------------------------------------ S3 through moto
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Moto:
+    """A moto S3 server on a loopback port that can be stopped and started again on the same port."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._new = lambda: ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server = self._new()
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def restart(self) -> None:
+        self.server = self._new()
+        self.server.start()
+
+    def bucket(self) -> str:
+        import boto3
+
+        name = f"sessions-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+        return name
+
+    def options(self) -> dict[str, object]:
+        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+
+
+@pytest.fixture(autouse=True)
+def _no_real_aws(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Fake credentials and no AWS config files: nothing here can reach a real account."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+
+
+@pytest.fixture
+def moto() -> Iterator[Moto]:
+    server = Moto()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "local", "s3"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., SessionStore]]:
+    """A factory of stores on one backend: each test gets a fresh root (memory:// is one dict per process)."""
+    backend = request.param
+    server = Moto() if backend == "s3" else None
+    root = {
+        "memory": f"memory://sessions-{uuid.uuid4().hex}",
+        "local": f"file://{tmp_path / 'sessions'}",
+        "s3": f"s3://{server.bucket()}/prefix" if server else "",
+    }[backend]
+
+    def factory(**kwargs: object) -> SessionStore:
+        options = server.options() if server else None
+        return SessionStore(root, storage_options=options, **kwargs)
+
+    yield factory
+    if server:
+        server.stop()
+
+
+def test_round_trip_on_each_backend(make_store: Callable[..., SessionStore]) -> None:
+    store = make_store()
+    rec = make_record("chat-1", n_tokens=200)
+    assert store.list_sessions() == [] and not store.exists("chat-1")
+    written = store.put(rec)
+    assert written > 0
+    assert store.exists("chat-1") and store.list_sessions() == ["chat-1"]
+    assert_same(rec, store.get("chat-1", expect=EXPECT))
+    assert store.get_tokens("chat-1") == rec.token_ids
+    # a second store object on the same URL (another server process, say) reads the same record
+    assert_same(rec, make_store().get("chat-1", expect=EXPECT))
+    rec.token_ids.extend([1, 2, 3])
+    rec.updated_at += 10
+    store.put(rec)  # an overwrite: the newest wins
+    assert store.get("chat-1", expect=EXPECT).token_ids == rec.token_ids
+    with pytest.raises(RecordMissing):
+        store.get("nobody", expect=EXPECT)
+    assert store.get_tokens("nobody") is None
+    assert store.delete("chat-1") is True and store.delete("chat-1") is False
+    assert not store.exists("chat-1") and store.list_sessions() == []
+    stats = store.stats()
+    assert stats["puts"] == 2 and stats["gets"] == 2 and stats["token_gets"] == 1 and stats["misses"] == 2
+    assert stats["deletes"] == 1 and stats["bytes_written"] >= 2 * written and stats["bytes_read"] > written
+    assert stats["faults"] == {"unavailable": 0, "corrupt": 0, "foreign": 0} and stats["reachable"]
+
+
+def test_foreign_records_through_the_store(make_store: Callable[..., SessionStore]) -> None:
+    store = make_store()
+    store.put(make_record("s", fingerprint="a" * 64))
+    with pytest.raises(ForeignRecord, match="model_fingerprint"):
+        store.get("s", expect=EXPECT)
+    with pytest.raises(ForeignRecord):
+        store.get_tokens("s", expect={"model_fingerprint": FP})
+    # a record copied under another session's name is not that session's
+    store.fs.pipe_file(f"{store.root}/t.record", store.fs.cat_file(f"{store.root}/s.record"))
+    with pytest.raises(ForeignRecord, match="session 's'"):
+        store.get("t", expect={})
+    assert store.stats()["faults"]["foreign"] == 3
+
+
+def test_bad_session_ids_are_user_errors(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path)
+    for bad in ("", "../etc", ".hidden", "a/b", "x" * 200, "tab\t"):
+        with pytest.raises(ConfkvError):
+            store.get(bad, expect=EXPECT)
+
+
+def test_local_store_on_disk_faults(tmp_path: Path) -> None:
+    store = SessionStore(str(tmp_path / "s"))
+    store.put(make_record("a"))
+    path = tmp_path / "s" / "a.record"
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CorruptRecord, match="truncated"):
+        store.get("a", expect=EXPECT)
+    flipped = bytearray(good)
+    flipped[-10] ^= 1
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptRecord, match="checksum"):
+        store.get("a", expect=EXPECT)
+    assert store.get_tokens("a") is not None  # recomputation still has what it needs
+    assert store.stats()["faults"]["corrupt"] == 2
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["a.record", "a.tokens"]  # no temp file left
+
+
+def test_tokens_are_written_first(make_store: Callable[..., SessionStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the record's write fails, the tokens object of the same put is already stored."""
+    store = make_store()
+    old = make_record("s", n_tokens=50)
+    store.put(old)
+    new = make_record("s", n_tokens=90, seed=1)
+    real = store._op
+
+    def failing(name: str, path: str, *args: object, **kwargs: object) -> object:
+        if path.endswith(".record") and name in ("pipe_file", "atomic_write"):
+            raise StoreUnavailable("injected: connection reset")
+        return real(name, path, *args, **kwargs)
+
+    monkeypatch.setattr(store, "_op", failing)
+    with pytest.raises(StoreUnavailable):
+        store.put(new)
+    monkeypatch.undo()
+    assert store.get_tokens("s") == new.token_ids
+    assert_same(old, store.get("s", expect=EXPECT))  # the older record is still whole
+    assert store.stats()["faults"]["unavailable"] == 1
+
+
+def test_s3_outage_times_out_and_the_same_store_recovers(moto: Moto, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="confkv.sessions.store")
+    timeout = 1.0
+    store = SessionStore(f"s3://{moto.bucket()}/p", storage_options=moto.options(), timeout_s=timeout)
+    rec = make_record("s")
+    store.put(rec)
+    moto.stop()  # connection refused from now on
+    for call in (lambda: store.get("s", expect=EXPECT), lambda: store.put(rec), store.list_sessions):
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            call()
+        assert time.monotonic() - t0 < timeout + 1.5
+    assert store.stats()["faults"]["unavailable"] == 3 and not store.stats()["reachable"]
+    assert sum("unavailable" in r.getMessage() for r in caplog.records if r.levelname == "WARNING") == 1
+    moto.restart()  # same port, objects kept: the outage is over
+    assert_same(rec, store.get("s", expect=EXPECT))
+    store.put(make_record("s2"))
+    assert store.list_sessions() == ["s", "s2"] and store.stats()["reachable"]
+    assert any("answers again" in r.getMessage() for r in caplog.records)
+
+
+def test_hung_endpoint_costs_at_most_the_timeout() -> None:
+    """A port that accepts connections and never answers: botocore's read timeout and the call deadline fire."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)  # the kernel completes handshakes; nobody ever reads or answers
+        endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        store = SessionStore("s3://b/p", storage_options={"endpoint_url": endpoint}, timeout_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            store.get("s", expect=EXPECT)
+        elapsed = time.monotonic() - t0
+    assert 0.4 < elapsed < 2.0, elapsed
+
+
+def test_trickling_endpoint_is_cut_off_by_the_overall_deadline() -> None:
+    """An endpoint that sends a byte every 0.1 s never trips the idle timeout; the size-based deadline
+    (timeout_s + size / min_bytes_per_s) still ends the call, instead of the 20 s the body would take."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Trickle(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _headers(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "200")
+            self.send_header("ETag", '"x"')
+            self.send_header("Last-Modified", "Wed, 01 Jan 2025 00:00:00 GMT")
+            self.end_headers()
+
+        def do_HEAD(self) -> None:
+            self._headers()
+
+        def do_GET(self) -> None:
+            self._headers()
+            try:
+                for _ in range(200):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        store = SessionStore("s3://b/p", storage_options={"endpoint_url": endpoint}, timeout_s=0.5, min_bytes_per_s=400)
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="not done within 1 s"):
+            store.get("s", expect=EXPECT)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_s3_endpoint_and_credentials_from_the_environment(moto: Moto, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto.endpoint)
+    store = SessionStore(f"s3://{moto.bucket()}/env")  # no storage_options at all
+    store.put(make_record("e"))
+    assert_same(make_record("e"), store.get("e", expect=EXPECT))
+
+
+def test_concurrent_sessions_from_threads(make_store: Callable[..., SessionStore]) -> None:
+    store = make_store()
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            for turn in range(3):
+                rec = make_record(f"t{n}", n_tokens=40 + 16 * turn, seed=100 * n + turn)
+                store.put(rec)
+                assert_same(rec, store.get(f"t{n}", expect=EXPECT))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert store.list_sessions() == [f"t{n}" for n in range(6)]
+    assert store.stats()["puts"] == 18 and store.stats()["gets"] == 18
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_a_reader_never_sees_half_a_record(backend: str, tmp_path: Path) -> None:
+    """A writer rewrites a ~4 MiB record in turn with two versions; a reader polling meanwhile always gets a whole
+    one (never CorruptRecord), and sees both versions."""
+    url = str(tmp_path / "s") if backend == "local" else f"memory://atomic-{uuid.uuid4().hex}"
+    writer, reader = SessionStore(url, level=1), SessionStore(url)
+    versions = [make_record("big", n_tokens=1024, layers=4, heads=4, dim=32, seed=s) for s in (1, 2)]
+    expected = {tuple(r.token_ids[:8]): r for r in versions}
+    writer.put(versions[0])
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            writer.put(versions[n % 2])
+            n += 1
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    seen: set[tuple[int, ...]] = set()
+    reads = 0
+    try:
+        deadline = time.monotonic() + 1.5  # poll this long, and on until both versions were seen (5 s at most)
+        while time.monotonic() < deadline or (len(seen) < 2 and time.monotonic() < deadline + 5):
+            rec = reader.get("big", expect=EXPECT)
+            key = tuple(rec.token_ids[:8])
+            assert_same(expected[key], rec)
+            seen.add(key)
+            reads += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert len(seen) == 2 and reads >= 10
+    assert reader.stats()["faults"]["corrupt"] == 0
+
+
+def test_real_kv_compresses() -> None:
+    """KV from a forward pass of the tiny model over text (benchmarks/session_codec.py measures it in full)."""
+    from confkv.model_loader import tiny_random_model, tiny_random_tokenizer
+
+    model, tok = tiny_random_model(0), tiny_random_tokenizer()
+    ids = tok((Path(__file__).resolve().parents[1] / "README.md").read_text()[:4000])["input_ids"][:512]
+    with torch.no_grad():
+        layers = model(torch.tensor([ids]), use_cache=True).past_key_values.layers
+    k = torch.stack([layer.keys[0] for layer in layers]).transpose(1, 2)  # [L, T, H, D]
+    v = torch.stack([layer.values[0] for layer in layers]).transpose(1, 2)
+    blocks = {i: BlockKV(k[:, i * 16 : (i + 1) * 16], v[:, i * 16 : (i + 1) * 16], torch.zeros(16)) for i in range(32)}
+    rec = SessionRecord("real", FP, 16, "float32", ids, 512, blocks)
+    header = read_header(encode(rec))
+    assert header["raw_bytes"] / header["payload_bytes"] > 1.25  # measured 1.42 at 1,024 tokens
+    assert_same(rec, decode(encode(rec), expect=EXPECT))
