@@ -110,6 +110,57 @@ def test_passkey_prose_filler(tok):
     assert " the " in text_of(tok, items[0]) and items[0].meta["filler"] == "prose"
 
 
+def test_passkey_fillers_grid(tok):
+    """Both fillers in one grid; the repeated filler's items are those it gives alone (its seeds did not move)."""
+    both = make(tok, "passkey", n=1, lengths=(300, 500), depths=(0.2, 0.8), filler=("repeat", "prose"))
+    alone = make(tok, "passkey", n=1, lengths=(300, 500), depths=(0.2, 0.8), filler="repeat")
+    assert len(both) == 8 and [it.meta["filler"] for it in both] == ["repeat"] * 4 + ["prose"] * 4
+    assert [it.prompt_ids for it in both[:4]] == [it.prompt_ids for it in alone]
+    assert len({it.answer for it in both}) == 8  # each cell draws its own key
+    assert len({it.item_id for it in both}) == 8
+    for it in both[4:]:
+        assert abs(len(it.prompt_ids) - it.meta["length"]) <= 0.1 * it.meta["length"]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_passkey_prose_filler_stays_in_its_split(tok, split):
+    """A held-out pass-key haystack is held-out documentation: a tuned policy never reads it."""
+    other = SPLITS[1 - SPLITS.index(split)]
+    for it in make(tok, "passkey", split=split, n=1, lengths=(600,), depths=(0.3, 0.7), filler="prose"):
+        lines = [ln for ln in text_of(tok, it).splitlines() if len(ln) >= 40 and "pass key" not in ln][1:-1]
+        assert lines
+        assert all(ln in split_text(split) for ln in lines)
+        assert not any(ln in split_text(other) for ln in lines if len(ln) >= 60)
+
+
+def test_long_chat_items(tok):
+    items = make(tok, "chat", n=4, turns=4, max_tokens=40, length=1200)
+    assert len({it.meta["scenario"] for it in items}) == 4  # long chats take the split's scenarios in turn
+    for it in items:
+        text = text_of(tok, it)
+        assert 0.85 * 1200 <= len(it.prompt_ids) <= 1200
+        assert it.meta["length"] == 1200 and it.max_tokens == 40
+        assert text.count("<|im_start|>user\n") == 4 and text.count("<|im_start|>assistant\n") == 4
+        assert text.endswith("<|im_start|>assistant\n")
+        turns = text.split("<|im_start|>user\n")[2:4]  # the two pasted passages
+        for turn in turns:
+            body = turn.split("\n\n", 1)[1].split("<|im_end|>")[0]
+            assert len(body) > 100 and body in split_text("heldout")
+
+
+def test_long_chat_splits_disjoint(tok):
+    train = make(tok, "chat", "train", n=6, turns=3, length=900)
+    heldout = make(tok, "chat", "heldout", n=6, turns=3, length=900)
+    lines = [
+        {ln for it in items for ln in text_of(tok, it).splitlines() if len(ln) >= 50} for items in (train, heldout)
+    ]
+    assert not lines[0] & lines[1]
+
+
+def test_short_chats_unchanged_by_length_zero(tok):
+    assert make(tok, "chat", n=3) == make(tok, "chat", n=3, length=0)
+
+
 def test_multikey_items(tok):
     for it in make(tok, "multikey", n=4, length=600, num_pairs=5):
         text = text_of(tok, it)
@@ -209,6 +260,10 @@ PINNED_MULTIKEY = "22357"
         ("chat", "heldout", {"turns": 3, "max_token": 5}, "unknown size keyword.*max_token"),
         ("passkey", "heldout", {"depths": (1.5,)}, "depths"),
         ("passkey", "heldout", {"filler": "noise"}, "filler"),
+        ("passkey", "heldout", {"filler": ("repeat", "noise")}, "filler"),
+        ("passkey", "heldout", {"filler": ("prose", "prose")}, "filler"),
+        ("chat", "heldout", {"turns": 6, "length": 300}, "too short for 6 turns"),
+        ("chat", "heldout", {"turns": 2, "length": 900}, "turns >= 3"),
         ("passkey", "heldout", {"lengths": 300}, "lengths"),
         ("multikey", "heldout", {"num_pairs": 0}, "num_pairs"),
         ("prose", "heldout", {"length": 100, "context": 100}, "context"),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from confkv.bench.corpus import prose_passage
+from confkv.bench.corpus import prose_passage, split_passage
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n"
@@ -36,11 +36,14 @@ def passkey_item(
     seed: int,
     digits: int = 5,
     filler: str = "repeat",
+    split: str | None = None,
 ) -> PasskeyItem:
     """A prompt of about ``num_tokens`` tokens with the key after ``depth`` (0 = start, 1 = end) of the filler.
 
     ``filler="repeat"`` is the classic repeated haystack; ``"prose"`` is real documentation text, where the key
-    does not stand out during prefill the way it does among identical sentences.
+    does not stand out during prefill the way it does among identical sentences. ``split`` draws the prose from
+    that split's documentation topics only (``corpus.split_passage``), so a policy tuned on ``train`` items never
+    reads a ``heldout`` haystack; without it the prose comes from every topic.
     """
     rng = random.Random(seed)
     key = str(rng.randrange(10 ** (digits - 1), 10**digits))
@@ -52,7 +55,8 @@ def passkey_item(
         before = round(repeats * depth)
         haystack_before, haystack_after = FILLER * before, FILLER * (repeats - before)
     elif filler == "prose":
-        passage = prose_passage(8 * num_tokens, seed)
+        chars = 8 * num_tokens
+        passage = split_passage(chars, seed, split) if split is not None else prose_passage(chars, seed)
         ids = tokenizer(passage)["input_ids"][: max(1, num_tokens - fixed)]
         text = tokenizer.decode(ids)
         cut = text.rfind(". ", 0, round(len(text) * depth)) + 2 if depth > 0 else 0

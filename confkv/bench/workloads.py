@@ -20,14 +20,15 @@ How train and heldout are kept apart (a policy tuned on ``train`` must never hav
 
 * passkey, multikey: the random streams are seeded with the split's name, and the numbers asked for are
   disjoint by parity: train keys and values are even, heldout ones odd. Multikey's key names use disjoint noun
-  lists and its filler comes from disjoint documentation topics (``corpus.split_passage``). Passkey's ``prose``
-  filler is drawn by ``passkey_item`` from all topics, so there only the key and the stream separate the splits.
+  lists, and its filler and passkey's ``prose`` filler come from disjoint documentation topics
+  (``corpus.split_passage``).
 * prose: passages come from disjoint sets of documentation topics (``corpus.topic_splits``; topics that quote
   each other are kept in the same split).
 * longgen: each kind of request has its own templates and topics; train uses the even-numbered ones of both,
   heldout the odd-numbered ones, so the splits share neither a template nor a topic.
 * chat: the scenarios (the facts given and the question that refers back to them) and the small-talk
-  question-answer pairs between them are split the same way, by even and odd position.
+  question-answer pairs between them are split the same way, by even and odd position; so are the lead-ins and
+  replies of long chats, whose pasted passages come from the split's own documentation topics.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "multikey": {"length": 1500, "num_pairs": 8},
     "prose": {"length": 1024, "context": 0},
     "longgen": {"max_tokens": 512},
-    "chat": {"turns": 3, "max_tokens": 128},
+    "chat": {"turns": 3, "max_tokens": 128, "length": 0},
 }
+PASSKEY_FILLERS: tuple[str, ...] = ("repeat", "prose")
 
 
 @dataclass(frozen=True)
@@ -171,10 +173,21 @@ def _prose_ids(tokenizer: Any, num_tokens: int, seed: int, split: str) -> tuple[
 
 
 def _passkey(
-    tokenizer: Any, split: str, n: int, seed: int, *, lengths: Sequence[int], depths: Sequence[float], filler: str
+    tokenizer: Any,
+    split: str,
+    n: int,
+    seed: int,
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    filler: str | Sequence[str],
 ) -> list[WorkloadItem]:
-    """A key per cell of lengths x depths, ``n`` times; the cell (not the item's index) seeds it, so adding a
-    depth to the grid leaves the other cells' keys as they were."""
+    """A key per cell of fillers x lengths x depths, ``n`` times; the cell (not the item's index) seeds it, so
+    adding a depth or a filler to the grid leaves the other cells' keys as they were.
+
+    ``filler`` is one of ``PASSKEY_FILLERS`` or a sequence of them: repeated filler shows whether a policy keeps a
+    key that stands out, prose whether it keeps one that reads like the text around it.
+    """
     if isinstance(lengths, (int, str)) or not lengths:
         raise ValueError(f"passkey lengths must be a non-empty sequence of integers (got {lengths!r})")
     if isinstance(depths, (int, float, str)) or not depths:
@@ -183,36 +196,41 @@ def _passkey(
     for d in depths:
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1:
             raise ValueError(f"passkey depths must be numbers in [0, 1] (got {d!r})")
-    if filler not in ("repeat", "prose"):
-        raise ValueError(f"passkey filler must be 'repeat' or 'prose' (got {filler!r})")
+    fillers = (filler,) if isinstance(filler, str) else tuple(filler)
+    if not fillers or any(f not in PASSKEY_FILLERS for f in fillers) or len(set(fillers)) != len(fillers):
+        raise ValueError(f"passkey filler must be 'repeat', 'prose' or a sequence of both (got {filler!r})")
     parity = _split_parity(split)
     items: list[WorkloadItem] = []
     for rep in range(n):
-        for length in lengths:
-            for depth in depths:
-                attempt = 0
-                while True:  # passkey_item draws the key itself: redraw until it has the split's parity (~2 tries)
-                    item = passkey_item(
-                        tokenizer,
-                        length,
-                        depth,
-                        _seed("passkey", split, seed, rep, length, depth, attempt),
-                        filler=filler,
+        for kind in fillers:
+            # the repeated filler's cells keep the seeds they had before fillers could be combined
+            cell_tag: tuple[str, ...] = () if kind == "repeat" else (kind,)
+            for length in lengths:
+                for depth in depths:
+                    attempt = 0
+                    while True:  # passkey_item draws the key itself: redraw until it has the split's parity
+                        item = passkey_item(
+                            tokenizer,
+                            length,
+                            depth,
+                            _seed("passkey", split, seed, rep, length, depth, *cell_tag, attempt),
+                            filler=kind,
+                            split=split,
+                        )
+                        if int(item.key) % 2 == parity:
+                            break
+                        attempt += 1
+                    items.append(
+                        WorkloadItem(
+                            workload="passkey",
+                            item_id=_item_id("passkey", split, len(items)),
+                            split=split,
+                            prompt_ids=_encode(tokenizer, item.prompt),
+                            max_tokens=RETRIEVAL_MAX_TOKENS,
+                            answer=item.key,
+                            meta={"length": length, "depth": float(depth), "filler": kind, "repeat": rep},
+                        )
                     )
-                    if int(item.key) % 2 == parity:
-                        break
-                    attempt += 1
-                items.append(
-                    WorkloadItem(
-                        workload="passkey",
-                        item_id=_item_id("passkey", split, len(items)),
-                        split=split,
-                        prompt_ids=_encode(tokenizer, item.prompt),
-                        max_tokens=RETRIEVAL_MAX_TOKENS,
-                        answer=item.key,
-                        meta={"length": length, "depth": float(depth), "filler": filler, "repeat": rep},
-                    )
-                )
     return items
 
 
@@ -630,40 +648,105 @@ _SMALL_TALK: tuple[tuple[str, str], ...] = (
 )
 MAX_TURNS = 2 + len(_SMALL_TALK) // 2  # opening + every small-talk pair of a split + the final question
 
+#: Long chats: the user pastes documentation between the facts and the question (people do paste documents into
+#: a chat), which makes a conversation thousands of tokens long with text the model cannot predict from the rest.
+_PASTE_LEADINS: tuple[str, ...] = (
+    "While we're at it, here is a section of the Python documentation I'm reading:",
+    "I'm also learning Python. This is the part of the reference I read today:",
+    "Unrelated, but I copied this from the Python reference to read later:",
+    "Here's another bit of the Python docs I'm working through:",
+    "Can you keep this section of the Python reference in mind for later?",
+    "I'm preparing a talk on Python. This is the passage I'm building it on:",
+    "Here is some documentation I have to review for work:",
+    "A colleague sent me this excerpt from the Python language reference:",
+)
+_PASTE_REPLIES: tuple[str, ...] = (
+    "Thanks, I've read that section. Let me know what you'd like to do with it.",
+    "Got it. That part of the reference is quite detailed; happy to go through it whenever you like.",
+    "I've taken a look. Feel free to ask about anything in it.",
+    "Noted. It states the rules precisely, so it's worth reading slowly.",
+    "Thanks for sharing. I can summarise or explain any part of it.",
+    "All right, I have that passage in front of me now.",
+    "Okay. If anything in it is unclear, just ask.",
+    "Understood. We can come back to it later.",
+)
+_MIN_PASTE_TOKENS = 16
 
-def _chat(tokenizer: Any, split: str, n: int, seed: int, *, turns: int, max_tokens: int) -> list[WorkloadItem]:
-    """``turns`` user turns: the facts, small talk (each with a canned reply), then a question about the facts.
 
-    The small talk sits between the facts and the question, so a cache that keeps only recent tokens loses what
-    the last turn asks about; canned replies keep the history independent of any model.
+def _passage_text(tokenizer: Any, ids: tuple[int, ...]) -> str:
+    """Decoded documentation ending at a line (or at least a word) boundary, so no turn ends mid-word."""
+    text = tokenizer.decode(list(ids)).strip()
+    cut = text.rfind("\n")
+    if cut < len(text) // 2:
+        cut = text.rfind(" ")
+    return text[:cut].rstrip() if cut > 0 else text
+
+
+def _chat(
+    tokenizer: Any, split: str, n: int, seed: int, *, turns: int, max_tokens: int, length: int
+) -> list[WorkloadItem]:
+    """``turns`` user turns: the facts, then small talk or pasted documentation, then a question about the facts.
+
+    The turns in between sit between the facts and the question, so a cache that keeps only recent tokens loses
+    what the last turn asks about; canned replies keep the history independent of any model. ``length`` 0 gives
+    short chats whose middle turns are small-talk pairs; ``length > 0`` makes the conversation about that many
+    tokens by pasting the split's documentation into the middle turns (each followed by a short reply), so a
+    chat is long enough that every evicting policy must evict before the question.
     """
     turns = _check_int("chat", "turns", turns, 2, MAX_TURNS)
     max_tokens = _check_int("chat", "max_tokens", max_tokens, 1, 4096)
+    length = _check_int("chat", "length", length, 0, 1 << 16)
+    if length and turns < 3:
+        raise ValueError(f"a long chat (length {length}) needs turns >= 3: the facts, a pasted passage, the question")
     scenarios = _of_split(_SCENARIOS, split)
     small_talk = _of_split(_SMALL_TALK, split)
+    leadins, replies = _of_split(_PASTE_LEADINS, split), _of_split(_PASTE_REPLIES, split)
+    # long chats take the split's scenarios in turn (from a seeded start), so a handful of them covers every one
+    first = _rng("chat-order", split, seed).randrange(len(scenarios))
     items = []
     for i in range(n):
         rng = _rng("chat", split, seed, i)
         scenario = scenarios[rng.randrange(len(scenarios))]
+        if length:
+            scenario = scenarios[(first + i) % len(scenarios)]
         values = {slot: rng.choice(options) for slot, options in scenario.slots.items()}
-        messages = [
+        opening = [
             {"role": "user", "content": scenario.opening.format(**values)},
             {"role": "assistant", "content": scenario.ack.format(**values)},
         ]
-        for question, reply in rng.sample(small_talk, turns - 2):
-            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
-        messages.append({"role": "user", "content": scenario.final.format(**values)})
+        final = [{"role": "user", "content": scenario.final.format(**values)}]
+        middle: list[dict[str, str]] = []
+        if not length:
+            for question, reply in rng.sample(small_talk, turns - 2):
+                middle += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        else:
+            pastes = [(rng.choice(leadins), rng.choice(replies), rng.getrandbits(64)) for _ in range(turns - 2)]
+            skeleton = [m for lead, reply, _ in pastes for m in _paste_turn(lead, "", reply)]
+            fixed = len(_render_chat(tokenizer, opening + skeleton + final))
+            per_turn = (length - fixed) // len(pastes)
+            if per_turn < _MIN_PASTE_TOKENS:
+                raise ValueError(
+                    f"chat length {length} is too short for {turns} turns: the conversation without its pasted "
+                    f"passages takes {fixed} tokens"
+                )
+            for lead, reply, passage_seed in pastes:
+                passage = _passage_text(tokenizer, _prose_ids(tokenizer, per_turn, passage_seed, split))
+                middle += _paste_turn(lead, passage, reply)
         items.append(
             WorkloadItem(
                 workload="chat",
                 item_id=_item_id("chat", split, i),
                 split=split,
-                prompt_ids=_render_chat(tokenizer, messages),
+                prompt_ids=_render_chat(tokenizer, opening + middle + final),
                 max_tokens=max_tokens,
-                meta={"turns": turns, "scenario": scenario.name},
+                meta={"turns": turns, "scenario": scenario.name, "length": length},
             )
         )
     return items
+
+
+def _paste_turn(lead: str, passage: str, reply: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{lead}\n\n{passage}"}, {"role": "assistant", "content": reply}]
 
 
 _BUILDERS: dict[str, Callable[..., list[WorkloadItem]]] = {
