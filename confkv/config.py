@@ -123,7 +123,10 @@ class CachePolicy(BaseModel):
         return max(self.memory_high_watermark * 0.5, self.memory_high_watermark - 0.1)
 
     def replace(self, **changes: Any) -> CachePolicy:
-        """A validated copy with some fields changed (``model_copy`` would skip validation)."""
+        """A validated copy with some fields changed (``model_copy`` would skip validation). Switching to a preset
+        controller without naming a scorer takes the preset's own."""
+        if changes.get("controller") in PRESET_SCORERS and "scorer" not in changes:
+            changes["scorer"] = None
         return make_policy({**self.model_dump(), **changes})
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -242,6 +242,50 @@ class LLMEngine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    def add_scored(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        score_from: int,
+        recorder: Any,
+        *,
+        controller: Controller | None = None,
+        chunk: int | None = None,
+        paused: bool = False,
+    ) -> Sequence:
+        """Queue a text for teacher-forced scoring: its first ``score_from`` tokens are read as a prompt, then the
+        rest is fed ``chunk`` tokens at a time (default ``compact_interval``), each step's rows handed to
+        ``recorder.record(first_position, signals, resident, budgets)``. Runs through ``step`` like any request."""
+        if len(token_ids) < 2 or not 1 <= score_from < len(token_ids):
+            raise ConfkvError(f"a scored text needs score_from in [1, {len(token_ids) - 1}] (got {score_from})")
+        if len(token_ids) > self.max_model_len:
+            raise ConfkvError(f"a scored text has {len(token_ids)} tokens; the context is {self.max_model_len}")
+        if request_id in self._seqs:
+            raise ConfkvError(f"request id {request_id!r} is already in use")
+        controller = controller or self.controller
+        seq_id = self.new_seq_id()
+        state = controller.init_state()
+        seq = Sequence(
+            seq_id=seq_id,
+            request_id=request_id,
+            prompt=None,
+            prompt_token_ids=list(token_ids[:score_from]),
+            params=SamplingParams(max_tokens=len(token_ids) - score_from),
+            kv=self.manager.open(seq_id, controller, state.budget),
+            ctrl=state,
+            forced=list(token_ids),
+            forced_chunk=chunk or controller.policy.compact_interval,
+            recorder=recorder,
+            paused=paused,
+        )
+        need = self.scheduler.committed(seq)
+        if need > self.pool.num_blocks:
+            self.manager.close(seq.kv)
+            raise ConfkvError("a scored text does not fit in the KV pool; raise kv_cache_memory")
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
     def sequence(self, request_id: str) -> Sequence | None:
         """The live sequence of a request (an environment sets ``controller`` on it to steer its budget)."""
         return self._seqs.get(request_id)
@@ -333,13 +377,18 @@ class LLMEngine:
             if ch.samples and ch.seq.kv.controller.recalls and self.host.has_blocks(ch.seq.seq_id)
         }
 
+    def _run(self, chunks: list[ScheduledChunk]) -> ForwardResult:
+        # a scored sequence's chunk of its text needs every row's logits (each row scores the next token)
+        all_rows = {ch.seq.seq_id for ch in chunks if ch.seq.scored and ch.start >= ch.seq.num_prompt_tokens}
+        return self.runner.run(chunks, capture=self._capture(chunks), all_rows=all_rows)
+
     def _forward(
         self, chunks: list[ScheduledChunk], outputs: list[StepOutput]
     ) -> list[tuple[list[ScheduledChunk], ForwardResult]]:
         """Run the pass; if it raises, undo every reservation and run each chunk alone, failing only those that
         still raise (their failure reaches ``outputs``)."""
         try:
-            return [(chunks, self.runner.run(chunks, capture=self._capture(chunks)))]
+            return [(chunks, self._run(chunks))]
         except Exception as err:  # any failure of the pass must leave the other requests intact
             for ch in chunks:
                 if ch.undo is not None:
@@ -352,7 +401,7 @@ class LLMEngine:
         for ch in chunks:
             ch.undo = self.manager.reserve(ch.seq.kv, ch.num_tokens)
             try:
-                done.append(([ch], self.runner.run([ch], capture=self._capture([ch]))))
+                done.append(([ch], self._run([ch])))
             except Exception as err:
                 self.manager.rollback(ch.seq.kv, ch.undo)
                 outputs.append(self._fail(ch.seq, f"forward pass failed: {err}", "forward"))
@@ -364,21 +413,66 @@ class LLMEngine:
             ch.seq.num_computed += ch.num_tokens
             ch.seq.kv.stats.record_compute(resident, len(ch.seq.kv.table.device_blocks()), generated=False)
         outputs: list[StepOutput] = []
-        if res.sampling:
-            resident_of = {id(ch): r for ch, r in zip(chunks, res.resident, strict=True)}
-            outputs = self._sample(res, [resident_of[id(ch)] for ch in res.sampling])
+        self._keep_queries(res)
+        if any(not ch.seq.scored for ch in res.sampling):
+            outputs = self._sample(res, chunks)
+        for i, ch in enumerate(chunks):
+            if ch.seq.scored and ch.samples:
+                outputs.append(self._score(ch, res, i))
         for ch in chunks:
             seq = ch.seq
             if not seq.finished:
                 self.manager.after_step(seq.kv, seq.ctrl.budget, ch.num_tokens, seq.prompt_done, self._room(seq))
+                if seq.scored and seq.num_uncomputed == 0:
+                    seq.token_ids.extend(seq.next_forced_chunk())
         return outputs
+
+    def _keep_queries(self, res: ForwardResult) -> None:
+        """Remember each capturing sequence's newest query and log-sum-exp (for a recall between steps)."""
+        for ch in res.sampling:
+            row = res.captured.get(ch.seq.seq_id)
+            if row is not None:
+                q = torch.stack([layer_q[row] for layer_q in res.batch.captured_q])
+                lse = torch.stack([layer_lse[row] for layer_lse in res.batch.captured_lse])
+                ch.seq.last_query = (q, lse)
+
+    def _score(self, ch: ScheduledChunk, res: ForwardResult, index: int) -> StepOutput:
+        """Teacher-forced rows of one scored sequence: each row's distribution scores the next token of its text.
+
+        The controller sees every token's signals in order; an expansion takes effect at the chunk's end (recall
+        with the chunk's last query), contraction at the compaction tick, exactly as between decode steps.
+        """
+        seq, kv = ch.seq, ch.seq.kv
+        row0, count = res.spans[index]
+        resident = res.resident[index]
+        first = ch.start + ch.num_tokens - count  # position of the first row with logits
+        signals = confidence_signals(res.logits[row0 : row0 + count])
+        host = signals.stacked().tolist()
+        c, state = seq.controller, seq.ctrl
+        budgets = []
+        for i in range(count):
+            s = StepSignals(host[0][i], host[1][i], host[2][i], resident - count + 1 + i, first + 1 + i,
+                            self.pool.usage)  # fmt: skip
+            state = c.update(state, s)
+            budgets.append(state.budget)
+        if c.evicts and state.budget > kv.budget and seq.prompt_done:
+            self._expand(seq, state.budget, res, recompute=False)
+        seq.ctrl = state
+        kv.stats.resident_sum += sum(resident - count + 1 + i for i in range(count))
+        kv.stats.resident_count += count
+        seq.recorder.record(first, signals, resident, budgets)
+        done = seq.num_computed >= len(seq.forced) - 1
+        if done:
+            self._finish(seq, "length")
+        return StepOutput(seq.request_id, [], finished=done)
 
     def _room(self, seq: Sequence) -> Callable[[], float]:
         return lambda: self.scheduler.expansion_room(seq)
 
-    def _expand(self, seq: Sequence, budget: float, res: ForwardResult) -> bool:
+    def _expand(self, seq: Sequence, budget: float, res: ForwardResult | None, recompute: bool = True) -> bool:
         """The controller's budget rose: raise the applied budget as far as memory allows and recall host blocks
-        into it. Returns whether blocks came back (so the step must be recomputed)."""
+        into it, scored with this step's query (or, between steps, the newest one kept). Returns whether blocks came
+        back (so the step must be recomputed)."""
         kv, sched = seq.kv, self.scheduler
         kv.stats.expansions += 1
         self.manager.expansions += 1
@@ -390,16 +484,36 @@ class LLMEngine:
             sched.refused_expansions += 1
             return False
         kv.budget = new
-        row = res.captured.get(seq.seq_id)
-        if row is None or not seq.prompt_done or not kv.prompt_trimmed:
+        if not seq.prompt_done or not kv.prompt_trimmed or seq.last_query is None:
             return False
-        q = torch.stack([layer_q[row] for layer_q in res.batch.captured_q])
-        lse = torch.stack([layer_lse[row] for layer_lse in res.batch.captured_lse])
-        return bool(self.manager.recall(kv, q, lse))
+        if res is not None and seq.seq_id not in res.captured:
+            return False
+        return bool(self.manager.recall(kv, *seq.last_query))
 
-    def _sample(self, res: ForwardResult, resident: list[int]) -> list[StepOutput]:
-        sampling = res.sampling
-        logits = res.logits
+    def resize(self, request_id: str, budget: float) -> None:
+        """Set a live sequence's budget now, between steps: contract by evicting, expand (as far as memory allows)
+        with a recall scored by its newest query. An environment uses it so that an action governs the very next
+        segment instead of the one after."""
+        seq = self._seqs[request_id]
+        c = seq.controller
+        if not c.evicts:
+            return
+        seq.ctrl = replace(seq.ctrl, budget=budget)
+        if budget > seq.kv.budget:
+            self._expand(seq, budget, None)
+        elif budget < seq.kv.budget:
+            seq.kv.budget = budget
+            self.manager.contractions += 1
+        if seq.prompt_done and seq.kv.table.resident_tokens() > seq.kv.budget:
+            self.manager.evict_to(seq.kv, seq.kv.budget)
+
+    def _sample(self, res: ForwardResult, chunks: list[ScheduledChunk]) -> list[StepOutput]:
+        """Choose the next token of every generating sequence that reached its end this step."""
+        resident_of = {id(ch): r for ch, r in zip(chunks, res.resident, strict=True)}
+        row_of = {id(ch): res.spans[i][0] for i, ch in enumerate(chunks)}
+        sampling = [ch for ch in res.sampling if not ch.seq.scored]
+        resident = [resident_of[id(ch)] for ch in sampling]
+        logits = res.logits[[row_of[id(ch)] for ch in sampling]]
         signals = confidence_signals(logits)
         host_signals = signals.stacked().tolist()
         expanded = [False] * len(sampling)

@@ -17,6 +17,11 @@ the largest evicting sequences toward their floor until use is back under ``memo
 expansions until use is under the low mark. Because it lowers the budgets themselves, nothing regrows into what it
 freed except through the ledger.
 
+**Teacher-forced scoring** (sequences with ``forced`` text) runs through the same schedule, with one difference: a
+scored sequence gets its whole next chunk every step (``max_num_batched_tokens`` of prompt, then ``forced_chunk``
+tokens of the text) outside the token budget, so chunk boundaries, and with them what is recorded and evicted, do
+not depend on what else runs: a text scores the same alone or in any batch.
+
 **Preemption** is the last resort: if a running sequence still cannot get a block, the most recently admitted
 sequence gives back its blocks and returns to the front of the queue, to be recomputed from its tokens. A request
 that cannot fit even in an empty pool is reported as failed instead of being retried forever.
@@ -95,13 +100,19 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------------------------- ledger
     def total_tokens(self, seq: Sequence) -> int:
+        if seq.forced is not None:
+            return len(seq.forced)
         return min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
 
     def committed(self, seq: Sequence) -> int:
         """Blocks the sequence holds now or may hold before its budget next changes."""
         kv = seq.kv
         projected = self.manager.projected_blocks(
-            kv, self.total_tokens(seq), seq.num_prompt_tokens, self.max_num_batched_tokens
+            kv,
+            self.total_tokens(seq),
+            seq.num_prompt_tokens,
+            self.max_num_batched_tokens,
+            step_tokens=max(1, seq.forced_chunk),
         )
         return max(len(kv.table.device_blocks()), projected)
 
@@ -137,6 +148,10 @@ class Scheduler:
         self.recomputed_tokens += seq.num_computed
         self.manager.reset(seq.kv)
         seq.num_computed = 0
+        if seq.scored:  # scoring restarts from its prompt: rows recorded so far would be recorded twice
+            seq.token_ids = list(seq.prompt_token_ids)
+            seq.ctrl = seq.controller.init_state()
+            seq.recorder.restart()
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
@@ -150,11 +165,14 @@ class Scheduler:
         out = Schedule()
 
         for seq in list(self.running):
-            if seq not in self.running:  # preempted while making room for an earlier one
+            if seq not in self.running or seq.paused:  # preempted while making room for an earlier one
                 continue
-            if budget <= 0:
-                break
-            n = min(seq.num_uncomputed, budget)
+            if seq.scored:  # fixed chunks whatever else runs, so a text scores the same alone or in any batch
+                n = min(seq.num_uncomputed, self.max_num_batched_tokens)
+            elif budget <= 0:
+                continue
+            else:
+                n = min(seq.num_uncomputed, budget)
             while manager.blocks_needed(seq.kv, n) > pool.num_free:
                 if len(self.running) == 1:  # alone and still too big: it can never run
                     self.running.remove(seq)
@@ -166,30 +184,37 @@ class Scheduler:
             if seq not in self.running:
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, manager.reserve(seq.kv, n)))
-            budget -= n
+            if not seq.scored:
+                budget -= n
 
         committed = self.committed_total()
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_batch_size:
+                break
+            if seq.paused:
+                continue
+            if budget <= 0 and not seq.scored:
+                break
             need = self.committed(seq)
             if need > pool.num_blocks:
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 out.failed.append((seq, self._too_big(seq)))
                 continue
             limit = self.low_blocks if seq.kv.controller.evicts else pool.num_blocks
             if self.running and committed + need > limit:
                 break
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, self.max_num_batched_tokens if seq.scored else budget)
             if manager.blocks_needed(seq.kv, n) > pool.num_free:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, manager.reserve(seq.kv, n)))
             committed += need
-            budget -= n
+            if not seq.scored:
+                budget -= n
         # decodes first: the attention function handles them as one padded batch
         out.chunks.sort(key=lambda c: c.num_tokens != 1)
         return out

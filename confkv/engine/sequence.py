@@ -62,6 +62,15 @@ class Sequence:
     trace: Trace = field(default_factory=Trace)
     #: Per generated token, when ``params.logprobs`` is set: the chosen token's log-probability and the top ones.
     logprobs: list[TokenLogprobs] | None = None
+    #: Teacher-forced scoring: the whole text to score (prompt = its first ``num_prompt_tokens``); the engine feeds
+    #: it in chunks of ``forced_chunk`` tokens instead of sampling, and hands every chunk's rows to ``recorder``.
+    forced: list[int] | None = None
+    forced_chunk: int = 0
+    recorder: Any = None
+    #: Left out of scheduling while set (an environment advancing only some of its episodes).
+    paused: bool = False
+    #: The newest sampling query and its log-sum-exp over the resident keys (what a recall between steps needs).
+    last_query: tuple[torch.Tensor, torch.Tensor] | None = None
     preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -80,6 +89,16 @@ class Sequence:
     @controller.setter
     def controller(self, value: Controller) -> None:
         self.kv.controller = value
+
+    @property
+    def scored(self) -> bool:
+        return self.forced is not None
+
+    def next_forced_chunk(self) -> list[int]:
+        """The forced tokens to compute next: up to ``forced_chunk``, never the text's last token (only a target)."""
+        assert self.forced is not None
+        start = len(self.token_ids)
+        return self.forced[start : min(start + self.forced_chunk, len(self.forced) - 1)]
 
     @property
     def num_prompt_tokens(self) -> int:

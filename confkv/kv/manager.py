@@ -168,11 +168,14 @@ class CacheManager:
         c = kv.controller
         return c.sink_tokens + c.protected_recent
 
-    def projected_blocks(self, kv: SequenceKV, total_tokens: int, prompt_tokens: int, chunk: int) -> int:
+    def projected_blocks(
+        self, kv: SequenceKV, total_tokens: int, prompt_tokens: int, chunk: int, step_tokens: int = 1
+    ) -> int:
         """Most device blocks the sequence can hold until its budget next changes (what admission reserves).
 
-        ``total_tokens`` is the longest the sequence can become, ``chunk`` the largest prefill chunk it may be given.
-        A policy that keeps everything needs its whole length; an evicting one its budget plus what one step adds.
+        ``total_tokens`` is the longest the sequence can become, ``chunk`` the largest prefill chunk it may be given,
+        ``step_tokens`` what one step adds once the prompt is read (one token; a chunk when teacher-forced). A
+        policy that keeps everything needs its whole length; an evicting one its budget plus one step.
         """
         table, c, bs = kv.table, kv.controller, self.block_size
         if not c.evicts:
@@ -183,7 +186,7 @@ class CacheManager:
             keep = self.prefill_keep(kv) + chunk
         else:
             floor = math.ceil(c.sink_tokens / bs) * bs + c.protected_recent + bs  # what eviction cannot go below
-            keep = max(kv.budget, floor) + 1
+            keep = max(kv.budget, floor) + step_tokens
         return min(table.blocks_for(total_tokens), table.blocks_for(math.ceil(keep)) + 1)
 
     # ------------------------------------------------------------------------------------------------- eviction
