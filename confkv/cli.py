@@ -94,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     bench.add_argument(
         "--suite",
-        choices=["quick", "full", "throughput"],
+        choices=["quick", "standard", "throughput"],
         default="quick",
-        help="quick/full: quality and memory against the full cache; throughput: requests served from one KV pool",
+        help="quality and memory against the full cache: quick (items of about 1,000 tokens, for CI) or standard "
+        "(2,000-4,000 tokens, about 40 minutes on 2 CPU cores); throughput: requests served from one KV pool",
     )
     bench.add_argument(
         "--policies",
@@ -104,7 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated built-in policies (default: all; throughput suite: full,dynamic); dynamic uses the "
         "requirement's defaults scaled",
     )
-    bench.add_argument("--policy-file", action="append", default=[], help="also measure this YAML policy")
+    bench.add_argument(
+        "--policy-file",
+        action="append",
+        default=[],
+        help="also measure this YAML policy; quick/standard: a dynamic or learned one gets its own fixed "
+        "baselines, matched to its memory (window@NAME, ...)",
+    )
     bench.add_argument("--out", required=True, help="output folder")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(

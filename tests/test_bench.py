@@ -1,9 +1,20 @@
-"""``confkv bench`` end to end on tiny-random: every output file, every required key."""
+"""``confkv bench`` end to end on tiny-random (every output file, every required key), and the pieces of the
+standard suite that need no model: its sizes and run-time estimate, budget matching, the run's policy plan."""
 
 import json
 
-from confkv.bench.report import REQUIRED_POLICY_KEYS
-from confkv.bench.suite import scaled_dynamic
+import torch
+
+from confkv.bench.report import REQUIRED_POLICY_KEYS, WORKLOAD_KEYS
+from confkv.bench.suite import (
+    SUITES,
+    Usage,
+    estimate_seconds,
+    fixed_offset,
+    matched_budget,
+    plan_policies,
+    scaled_dynamic,
+)
 from confkv.cli import main
 
 
@@ -66,3 +77,155 @@ def test_bench_throughput_tiny_writes_everything(tmp_path, capsys):
         assert section["hf_static"]["exact_match_vs_full"] == 1.0
     assert results["settings"]["requests"] == 8 and results["poisson"]["arrival_rate"] > 0
     assert set(results["running_trace"]) == {"burst", "poisson"}
+
+
+# ------------------------------------------------------------------------------------------------ standard suite
+
+WORKLOAD_MEASURES = ("prose", "longgen", "chat", "passkey", "multikey", "longgen_free")
+
+
+def test_bench_standard_tiny_writes_everything(tmp_path, capsys):
+    """The standard suite's shape on tiny-random: per-workload mean and peak memory, baselines matched to the
+    built-in dynamic and re-matched to a policy file's dynamic, verdicts at equal memory, the run time."""
+    policy_file = tmp_path / "tuned.yaml"
+    policy_file.write_text(
+        "cache_policy:\n  controller: dynamic\n  base_size: 48\n  max_size: 160\n  min_recent: 16\n"
+        "  entropy_threshold: 2.0\n"
+    )
+    out = tmp_path / "std"
+    args = ["bench", "--model", "tiny-random", "--suite", "standard", "--policies", "full,dynamic,window"]
+    assert main([*args, "--policy-file", str(policy_file), "--out", str(out)]) == 0
+    paths = json.loads(capsys.readouterr().out)
+    assert set(paths) >= {"results", "report", "plane", "trace", "passkey"}
+    for name in ("results.json", "report.md", "memory_quality.png", "kv_trace.png", "passkey.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    assert results["suite"] == "standard"
+    policies = results["policies"]
+    assert list(policies) == ["full", "dynamic", "window", "tuned", "window@tuned"]
+    for name, entry in policies.items():
+        keys = (*REQUIRED_POLICY_KEYS, "kv_mean_tokens", "kv_peak_tokens", "matched_to", "budgets", "seconds")
+        missing = [k for k in keys if k not in entry]
+        assert not missing, (name, missing)
+        assert set(entry["workloads"]) == set(WORKLOAD_MEASURES), name
+        for measure, w in entry["workloads"].items():
+            assert not [k for k in WORKLOAD_KEYS if k not in w], (name, measure)
+            assert w["steps"] > 0 and w["items"] > 0 and 0 < w["kv_fraction_peak"] <= 1.0, (name, measure)
+        assert entry["requests_per_s"] is None  # the standard suite leaves serving to --suite throughput
+
+    # baselines are matched to their own variant, measure by measure, and land near its measured mean
+    assert policies["window"]["matched_to"] == "dynamic" and policies["window@tuned"]["matched_to"] == "tuned"
+    assert policies["dynamic"]["matched_to"] is None and policies["tuned"]["matched_to"] is None
+    budgets = results["settings"]["baseline_budgets"]
+    assert set(budgets) == {"dynamic", "tuned"}
+    for variant, baseline in (("dynamic", "window"), ("tuned", "window@tuned")):
+        assert set(budgets[variant]) == {*WORKLOAD_MEASURES, "overall"}
+        for measure in WORKLOAD_MEASURES:
+            w, v = policies[baseline]["workloads"][measure], policies[variant]["workloads"][measure]
+            assert w["budget_tokens"] == budgets[variant][measure] and v["budget_tokens"] is None
+            assert abs(w["kv_fraction_mean"] / v["kv_fraction_mean"] - 1) < 0.1, (baseline, measure)
+    assert budgets["tuned"]["prose"] > budgets["dynamic"]["prose"]  # the file keeps more, so its baselines do
+
+    # every evicting policy evicts: the long chat is longer than anything a policy keeps
+    for name, entry in policies.items():
+        if name != "full":
+            assert entry["workloads"]["chat"]["kv_fraction_peak"] < 0.9, name
+            assert entry["kv_fraction_mean"] < 0.9, name
+    assert {r["filler"] for r in results["passkey_grid"]["dynamic"]} == {"repeat", "prose"}
+    comparisons = results["comparisons"]
+    assert set(comparisons) == {"dynamic", "tuned"} and comparisons["tuned"]["baselines"] == ["window@tuned"]
+    for comp in comparisons.values():
+        assert set(comp["workloads"]) == set(WORKLOAD_MEASURES)
+        assert all(c["ahead"] for c in comp["workloads"].values())
+    st = results["settings"]
+    assert st["seconds"] > 0 and set(st["seconds_per_policy"]) == set(policies)
+
+    report = (out / "report.md").read_text()
+    for text in (
+        "Run time: **",
+        "Resident KV per workload (mean % / peak % of the full cache)",
+        "Baseline budgets (tokens)",
+        "Who is ahead at equal memory",
+        "### `dynamic` against `window`",
+        "### `tuned` against `window@tuned`",
+        "is ahead at equal memory on",
+    ):
+        assert text in report, text
+
+
+def test_standard_sizes():
+    """Items of 2,000-4,000 tokens, long generations of 1,000+, the requirement's sizes divided by 4, and a run
+    time near 40 minutes on the 2-core CPU (an hour at most with the references built)."""
+    spec = SUITES["standard"]
+    p = scaled_dynamic(spec.scale)
+    assert (p.base_size, p.max_size, p.min_recent) == (256, 1024, 128)
+    assert all(2000 <= n <= 4000 for n in spec.passkey["lengths"])
+    assert set(spec.passkey["filler"]) == {"repeat", "prose"} and len(spec.passkey["depths"]) >= 3
+    for sizes in (spec.multikey, spec.prose, spec.chat):
+        assert 2000 <= sizes["length"] <= 4000
+    assert spec.free_tokens >= 1000 and spec.longgen["max_tokens"] >= 1000 and spec.chat["turns"] >= 4
+    assert min(spec.passkey["lengths"]) > p.max_size and spec.chat["length"] > p.max_size
+    est = estimate_seconds(spec, 6)
+    assert 20 * 60 < est["low"] < est["high"] <= 60 * 60
+    assert est["calibration"] >= 1.0
+    assert "full" not in SUITES  # replaced by standard
+
+
+def _usage(mode, positions, resident):
+    u = Usage(mode)
+    p = torch.tensor(positions, dtype=torch.float64)
+    u.positions.append(p)
+    u.full, u.resident, u.steps, u.items = float(p.sum()), float(resident), len(positions), 1
+    return u
+
+
+def test_matched_budget_inverts_the_fixed_prediction():
+    policy = scaled_dynamic(0.25)
+    positions = list(range(2, 3001))
+    for mode in ("chunked", "decode"):
+        off = fixed_offset(mode, policy)
+        for budget in (200, 384, 1000):
+            held = sum(min(p, budget + off) for p in positions)
+            assert abs(matched_budget([_usage(mode, positions, held)], held, policy) - budget) <= 1
+    everything = _usage("decode", positions, sum(positions))
+    assert matched_budget([everything], everything.resident, policy) >= 3000  # keeps all: no eviction
+    tiny = _usage("decode", positions, 10.0)
+    assert matched_budget([tiny], tiny.resident, policy) == 2 * policy.block_size  # never below two blocks
+    # several measures at once: one budget for their pooled steps
+    a, b = _usage("chunked", positions, 0), _usage("decode", list(range(100, 1100)), 0)
+    target = sum(min(p, 500 + fixed_offset("chunked", policy)) for p in positions) + sum(
+        min(p, 500 + fixed_offset("decode", policy)) for p in range(100, 1100)
+    )
+    assert abs(matched_budget([a, b], target, policy) - 500) <= 1
+
+
+def test_plan_policies(tmp_path):
+    dyn = scaled_dynamic(0.25)
+    tuned = tmp_path / "tuned.yaml"
+    tuned.write_text("cache_policy:\n  controller: dynamic\n  base_size: 128\n  max_size: 512\n  min_recent: 64\n")
+    fixed = tmp_path / "big-h2o.yaml"
+    fixed.write_text("cache_policy:\n  controller: h2o\n  max_size: 900\n")
+    clash = tmp_path / "dynamic.yaml"
+    clash.write_text("cache_policy:\n  controller: dynamic\n  base_size: 64\n  max_size: 256\n  min_recent: 32\n")
+    plan = plan_policies(["full", "dynamic", "h2o", "snapkv"], [str(tuned), str(fixed), str(clash)], dyn)
+    assert [(p.name, p.matched_to) for p in plan] == [
+        ("full", None),
+        ("dynamic", None),
+        ("h2o", "dynamic"),
+        ("snapkv", "dynamic"),
+        ("tuned", None),
+        ("h2o@tuned", "tuned"),
+        ("snapkv@tuned", "tuned"),
+        ("dynamic-2", None),
+        ("h2o@dynamic-2", "dynamic-2"),
+        ("snapkv@dynamic-2", "dynamic-2"),
+        ("big-h2o", None),
+    ]
+    assert plan[5].policy.controller == "h2o" and plan[5].policy.block_size == dyn.block_size
+    # without a variant the baselines run at the default budget, as before matching existed
+    alone = plan_policies(["full", "window"], [], dyn)
+    assert [(p.name, p.matched_to, p.policy.controller) for p in alone] == [
+        ("full", None, "full"),
+        ("window", None, "window"),
+    ]
+    assert alone[1].policy.max_size == 2 * dyn.base_size

@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from confkv.bench.report import REQUIRED_POLICY_KEYS, markdown_table, write_report
+from confkv.bench.report import (
+    REQUIRED_POLICY_KEYS,
+    _grid_cells,
+    equal_memory_comparisons,
+    markdown_table,
+    plot_passkey,
+    write_report,
+)
 from confkv.bench.textmetrics import bleu4, rouge_l
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -190,3 +197,92 @@ def test_rouge_l() -> None:
     assert 0.0 < rouge_l(["the cat sat on a mat"], ["the cat sat on the mat"]) < 1.0
     with pytest.raises(ValueError):
         rouge_l([], [])
+
+
+# ---------------------------------------------------------------------------------- equal-memory comparisons
+
+
+def _workloads(kv: float, kl: float, acc: float, bleu: float, budget: int | None) -> dict[str, Any]:
+    common = {"kv_fraction_peak": min(1.0, 2 * kv), "kv_mean_tokens": 300 * kv, "kv_peak_tokens": 900, "steps": 100}
+    common |= {"items": 4, "seconds": 1.0, "budget_tokens": budget, "kv_fraction_mean": kv}
+    return {
+        "prose": {**common, "kl_mean": kl, "ppl": 12.3 + kl},
+        "longgen": {**common, "kl_mean": kl},
+        "chat": {**common, "kl_mean": 2 * kl},
+        "passkey": {**common, "acc": acc, "acc_by_filler": {"repeat": acc, "prose": acc / 2}},
+        "multikey": {**common, "acc": 0.25},
+        "longgen_free": {**common, "bleu4_vs_full": bleu, "rougeL_vs_full": bleu / 100},
+    }
+
+
+@pytest.fixture
+def matched(results: dict[str, Any]) -> dict[str, Any]:
+    """``dynamic`` with two baselines matched to it: ``snapkv`` has the lowest KL (prose, forced long generation,
+    chat), ``dynamic`` wins pass-key and free long generation, multi-key ties, and ``window`` used 12% more memory
+    on chat."""
+    p = results["policies"]
+    p["full"]["workloads"] = _workloads(1.0, 0.0, 1.0, 100.0, None)
+    p["dynamic"]["workloads"] = _workloads(0.35, 0.05, 0.9, 90.0, None)
+    p["window"]["workloads"] = _workloads(0.35, 0.30, 0.3, 60.0, 200)
+    p["snapkv"] = _entry("snapkv", 0.35, 12.4, 0.8, workloads=_workloads(0.35, 0.02, 0.8, 85.0, 210))
+    p["window"]["workloads"]["chat"]["kv_fraction_mean"] = 0.35 * 1.12
+    for name in ("window", "snapkv"):
+        p[name]["matched_to"] = "dynamic"
+    results["settings"]["baseline_budgets"] = {"dynamic": {"prose": 200, "passkey": 180, "overall": 205}}
+    results["settings"]["seconds"] = 2468.0
+    results["settings"]["seconds_references"] = 250.0
+    results["settings"]["seconds_per_policy"] = {"full": 300.0, "dynamic": 340.0}
+    results["passkey_grid"]["snapkv"] = _grid(0.8, random.Random(1))
+    return results
+
+
+def test_equal_memory_verdicts(matched: dict[str, Any]) -> None:
+    comp = equal_memory_comparisons(matched)
+    assert list(comp) == ["dynamic"] and comp["dynamic"]["baselines"] == ["window", "snapkv"]
+    w = comp["dynamic"]["workloads"]
+    assert w["prose"]["ahead"] == ["snapkv"] and not w["prose"]["variant_ahead"]
+    assert w["passkey"]["ahead"] == ["dynamic"] and w["passkey"]["variant_ahead"]
+    assert w["longgen_free"]["ahead"] == ["dynamic"] and w["longgen_free"]["metric"] == "bleu4_vs_full"
+    assert w["multikey"]["ahead"] == ["dynamic", "window", "snapkv"]  # a tie
+    assert set(w["chat"]["memory_mismatch"]) == {"window"} and abs(w["chat"]["memory_mismatch"]["window"] - 0.12) < 1e-9
+    assert not w["prose"]["memory_mismatch"]
+
+
+def test_report_states_memory_verdicts_and_run_time(matched: dict[str, Any], tmp_path: Path) -> None:
+    report = write_report(matched, tmp_path)["report"].read_text()
+    assert "Run time: **41 min 08 s** (of which 4 min 10 s loading the model" in report
+    assert "## Resident KV per workload (mean % / peak % of the full cache)" in report
+    assert "| `dynamic` | 35.0 / 70.0 |" in report
+    assert "| `dynamic` | 200 | 180 | 205 |" in report  # the budgets table: measures it has, then suite-wide
+    assert "### `dynamic` against `window`, `snapkv`" in report
+    rows = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
+    assert "`snapkv` KL 0.0200" in rows["prose"] and rows["prose"].split("|")[5].strip() == "`snapkv`"
+    assert "90% (repeat 90%, prose 45%)" in rows["pass-key"]
+    assert "tie: `dynamic`, `window`, `snapkv`" in rows["multi-key"]
+    assert "memory differs: `window` +12%" in rows["chat"]
+    assert (
+        "`dynamic` is ahead at equal memory on 2 of 6 workloads (pass-key, long gen (free)), tied on 1 (multi-key), "
+        "behind on 3 (prose, long gen (forced), chat)." in report
+    )
+
+
+def test_report_without_matching_has_no_verdicts(results: dict[str, Any], tmp_path: Path) -> None:
+    report = write_report(results, tmp_path)["report"].read_text()
+    assert "Who is ahead at equal memory" not in report and "Resident KV per workload" not in report
+
+
+def test_passkey_plot_with_fillers(matched: dict[str, Any], tmp_path: Path) -> None:
+    for grid in matched["passkey_grid"].values():
+        for i, cell in enumerate(grid):
+            cell["filler"] = ("repeat", "prose")[i % 2]
+    assert plot_passkey(matched, tmp_path / "pk.png") is not None
+    lengths, _, acc = _grid_cells(matched["passkey_grid"]["dynamic"])
+    assert lengths == [
+        ("prose", 500),
+        ("prose", 1000),
+        ("prose", 2000),
+        ("repeat", 500),
+        ("repeat", 1000),
+        ("repeat", 2000),
+    ]
+    assert acc.shape == (3, 6)

@@ -35,6 +35,41 @@ REQUIRED_POLICY_KEYS: tuple[str, ...] = (
     "requests_per_s",
 )
 
+#: Fields of every measure's entry under a policy's ``workloads`` (the standard suite reports memory per measure).
+WORKLOAD_KEYS: tuple[str, ...] = (
+    "kv_fraction_mean",
+    "kv_fraction_peak",
+    "kv_mean_tokens",
+    "kv_peak_tokens",
+    "budget_tokens",
+    "steps",
+    "items",
+    "seconds",
+)
+#: Measures in report order, with the label the tables use.
+MEASURE_LABELS: dict[str, str] = {
+    "prose": "prose",
+    "longgen": "long gen (forced)",
+    "chat": "chat",
+    "passkey": "pass-key",
+    "multikey": "multi-key",
+    "longgen_free": "long gen (free)",
+}
+#: What decides "ahead at equal memory" on each measure: the quality key, whether higher is better, and the keys
+#: shown beside it. Perplexity follows KL on prose; ROUGE-L is shown beside BLEU-4 on long generations.
+VERDICT_METRICS: dict[str, tuple[str, bool, tuple[str, ...]]] = {
+    "prose": ("kl_mean", False, ("ppl",)),
+    "longgen": ("kl_mean", False, ()),
+    "chat": ("kl_mean", False, ()),
+    "passkey": ("acc", True, ("acc_by_filler",)),
+    "multikey": ("acc", True, ()),
+    "longgen_free": ("bleu4_vs_full", True, ("rougeL_vs_full",)),
+}
+#: A baseline whose measured mean resident KV differs from its variant's by more than this share is flagged: the
+#: budget was matched by prediction, and a comparison is only at equal memory if the measurement agrees.
+MEMORY_TOLERANCE = 0.05
+_METRIC_NAMES = {"kl_mean": "KL", "acc": "accuracy", "bleu4_vs_full": "BLEU-4"}
+
 PLOT_FILES: dict[str, str] = {
     "plane": "memory_quality.png",
     "trace": "kv_trace.png",
@@ -184,6 +219,216 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _workload(entry: dict[str, Any] | None, measure: str) -> dict[str, Any]:
+    return ((entry or {}).get("workloads") or {}).get(measure) or {}
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+def equal_memory_comparisons(results: dict[str, Any]) -> dict[str, Any]:
+    """For each variant (a policy some baselines are matched to) and each measure: who is ahead at equal memory.
+
+    The contenders are the variant and the baselines matched to it (``matched_to``); ``full`` is the reference, not
+    a contender. The leader is the best value of the measure's quality key (``VERDICT_METRICS``), equal best values
+    tie, and a measure nobody has a value for is left out. Baselines whose measured mean resident KV differs from
+    the variant's by more than ``MEMORY_TOLERANCE`` are listed in ``memory_mismatch`` (relative difference), so a
+    verdict that is not at equal memory says so.
+    """
+    policies = results.get("policies") or {}
+    groups: dict[str, list[str]] = {}
+    for name, entry in policies.items():
+        target = (entry or {}).get("matched_to")
+        if target in policies:
+            groups.setdefault(target, []).append(name)
+    out: dict[str, Any] = {}
+    for variant, baselines in groups.items():
+        contenders = [variant, *baselines]
+        per: dict[str, Any] = {}
+        for measure, (key, higher, _) in VERDICT_METRICS.items():
+            values = {n: _finite(_workload(policies[n], measure).get(key)) for n in contenders}
+            known = {n: v for n, v in values.items() if v is not None}
+            if not known:
+                continue
+            best = max(known.values()) if higher else min(known.values())
+            ahead = [n for n, v in known.items() if _same(v, best)]
+            kv = {n: _finite(_workload(policies[n], measure).get("kv_fraction_mean")) for n in contenders}
+            peak = {n: _finite(_workload(policies[n], measure).get("kv_fraction_peak")) for n in contenders}
+            mismatch = {}
+            for n in baselines:
+                if kv[n] is not None and kv[variant]:
+                    rel = kv[n] / kv[variant] - 1.0
+                    if abs(rel) > MEMORY_TOLERANCE:
+                        mismatch[n] = rel
+            per[measure] = {
+                "metric": key,
+                "higher_is_better": higher,
+                "values": values,
+                "kv_fraction_mean": kv,
+                "kv_fraction_peak": peak,
+                "ahead": ahead,
+                "variant_ahead": ahead == [variant],
+                "memory_mismatch": mismatch,
+            }
+        out[variant] = {"baselines": baselines, "workloads": per}
+    return out
+
+
+def _pct(x: Any) -> str:
+    return _fmt(x, 1, 100)
+
+
+def _measure_value(measure: str, w: dict[str, Any]) -> str:
+    """A measure's deciding value with what is shown beside it, as the comparison table prints it."""
+    key = VERDICT_METRICS[measure][0]
+    if key == "kl_mean":
+        text = f"KL {_fmt(w.get('kl_mean'), 4)}"
+        return text + (f", ppl {_fmt(w.get('ppl'), 3)}" if measure == "prose" else "")
+    if key == "acc":
+        text = f"{_fmt(w.get('acc'), 0, 100)}%"
+        by = w.get("acc_by_filler") or {}
+        if by:
+            text += " (" + ", ".join(f"{k} {_fmt(v, 0, 100)}%" for k, v in by.items()) + ")"
+        return text
+    return f"BLEU-4 {_fmt(w.get('bleu4_vs_full'), 1)}, ROUGE-L {_fmt(w.get('rougeL_vs_full'), 3)}"
+
+
+def _span(values: list[float | None]) -> str:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "n/a"
+    lo, hi = min(vals), max(vals)
+    return _pct(lo) if _same(lo, hi) or f"{100 * lo:.1f}" == f"{100 * hi:.1f}" else f"{_pct(lo)}–{_pct(hi)}"
+
+
+def comparison_markdown(results: dict[str, Any]) -> str:
+    """Per variant, per measure: the variant, the best of its matched baselines, who is ahead, and both memories."""
+    comparisons = results.get("comparisons") or equal_memory_comparisons(results)
+    policies = results.get("policies") or {}
+    if not comparisons:
+        return "_No baseline was matched to a variant's memory in this run._\n"
+    parts = []
+    for variant, comp in comparisons.items():
+        baselines = comp["baselines"]
+        names = ", ".join(f"`{_cell(b)}`" for b in baselines)
+        parts.append(f"### `{_cell(variant)}` against {names}\n")
+        lines = [
+            f"| workload | decided by | `{_cell(variant)}` | best fixed baseline | ahead "
+            f"| KV mean % ({_cell(variant)} / fixed) | KV peak % ({_cell(variant)} / fixed) |",
+            "|:---|:---|:---|:---|:---|---:|---:|",
+        ]
+        ahead_on, tied_on, behind_on = [], [], []
+        for measure, c in comp["workloads"].items():
+            key, higher, _ = VERDICT_METRICS[measure]
+            label = MEASURE_LABELS.get(measure, measure)
+            known = {b: c["values"][b] for b in baselines if c["values"].get(b) is not None}
+            best = (max if higher else min)(known, key=lambda b: known[b]) if known else None
+            best_text = (
+                f"`{_cell(best)}` {_measure_value(measure, _workload(policies[best], measure))}" if best else "n/a"
+            )
+            ahead = c["ahead"]
+            verdict = f"`{_cell(ahead[0])}`" if len(ahead) == 1 else "tie: " + ", ".join(f"`{_cell(a)}`" for a in ahead)
+            if c["memory_mismatch"]:
+                verdict += (
+                    " (memory differs: "
+                    + ", ".join(f"`{_cell(n)}` {100 * r:+.0f}%" for n, r in c["memory_mismatch"].items())
+                    + ")"
+                )
+            if c["variant_ahead"]:
+                ahead_on.append(label)
+            elif variant in ahead:
+                tied_on.append(label)
+            else:
+                behind_on.append(label)
+            decided = f"{_METRIC_NAMES.get(key, key)} {'↑' if higher else '↓'}"
+            kv_cell = f"{_pct(c['kv_fraction_mean'].get(variant))} / " + _span(
+                [c["kv_fraction_mean"].get(b) for b in baselines]
+            )
+            peak_cell = f"{_pct(c['kv_fraction_peak'].get(variant))} / " + _span(
+                [c["kv_fraction_peak"].get(b) for b in baselines]
+            )
+            row = [
+                label,
+                decided,
+                _measure_value(measure, _workload(policies[variant], measure)),
+                best_text,
+                verdict,
+                kv_cell,
+                peak_cell,
+            ]
+            lines.append("| " + " | ".join(_cell(x) if i < 2 else x for i, x in enumerate(row)) + " |")
+        total = len(comp["workloads"])
+        summary = f"`{_cell(variant)}` is ahead at equal memory on {len(ahead_on)} of {total} workloads"
+        summary += f" ({', '.join(ahead_on)})" if ahead_on else ""
+        summary += f", tied on {len(tied_on)}" + (f" ({', '.join(tied_on)})" if tied_on else "")
+        summary += f", behind on {len(behind_on)}" + (f" ({', '.join(behind_on)})" if behind_on else "") + "."
+        parts += ["\n".join(lines) + "\n", summary + "\n"]
+    return "\n".join(parts)
+
+
+def memory_markdown(results: dict[str, Any]) -> str:
+    """Mean and peak resident KV of every policy on every measure, and over the whole suite."""
+    policies = results.get("policies") or {}
+    measures = [m for m in MEASURE_LABELS if any(_workload(e, m) for e in policies.values())]
+    if not measures:
+        return ""
+    lines = [
+        "| policy | " + " | ".join(MEASURE_LABELS[m] for m in measures) + " | all |",
+        "|:---|" + "|".join(["---:"] * (len(measures) + 1)) + "|",
+    ]
+    for name in _policy_order(results):
+        entry = policies[name] or {}
+        cells = [
+            f"{_pct(_workload(entry, m).get('kv_fraction_mean'))} / {_pct(_workload(entry, m).get('kv_fraction_peak'))}"
+            for m in measures
+        ]
+        cells.append(f"{_pct(entry.get('kv_fraction_mean'))} / {_pct(entry.get('kv_fraction_peak'))}")
+        lines.append(f"| `{_cell(name)}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def budgets_markdown(results: dict[str, Any]) -> str:
+    """The fixed baselines' budgets in tokens, per variant they were matched to and per measure."""
+    budgets = (results.get("settings") or {}).get("baseline_budgets") or {}
+    if not budgets:
+        return ""
+    measures = [m for m in MEASURE_LABELS if any(m in b for b in budgets.values())]
+    lines = [
+        "| matched to | " + " | ".join(MEASURE_LABELS[m] for m in measures) + " | suite-wide |",
+        "|:---|" + "|".join(["---:"] * (len(measures) + 1)) + "|",
+    ]
+    for variant, b in budgets.items():
+        cells = [str(b.get(m, "n/a")) for m in [*measures, "overall"]]
+        lines.append(f"| `{_cell(variant)}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _duration(seconds: Any) -> str:
+    v = _finite(seconds)
+    if v is None:
+        return "n/a"
+    if v < 120:
+        return f"{v:.0f} s"
+    return f"{int(v // 60)} min {int(v % 60):02d} s"
+
+
+def run_time_line(results: dict[str, Any]) -> str:
+    """The run's wall time, the part spent on references, and the estimate the suite was sized by."""
+    st = results.get("settings") or {}
+    text = f"Run time: **{_duration(st.get('seconds'))}**"
+    if st.get("seconds_references") is not None:
+        refs = _duration(st.get("seconds_references"))
+        text += f" (of which {refs} loading the model and building or reading the full-cache references)"
+    per = st.get("seconds_per_policy") or {}
+    if per:
+        text += "; per policy: " + ", ".join(f"`{_cell(n)}` {_duration(v)}" for n, v in per.items())
+    est = st.get("estimated_seconds_smollm2_cpu") or {}
+    if est and results.get("model") == "smollm2-135m":
+        text += f". Estimated before the run: {_duration(est.get('low'))} to {_duration(est.get('high'))}"
+    return text + ".\n"
+
+
 def _settings_md(settings: Any) -> str:
     if not settings:
         return "_none recorded_\n"
@@ -198,7 +443,11 @@ def _settings_md(settings: Any) -> str:
 
 _HOW_TO_READ = (
     "**KV fraction** is the mean number of key/value tokens resident on the device divided by the number a full "
-    "cache would hold at the same step (prompt plus tokens generated so far); *peak* is its largest value. "
+    "cache would hold at the same step (prompt plus tokens generated so far), over the steps whose output is "
+    "measured (teacher-forced tokens; generated tokens after the first); *peak* is the largest number resident at "
+    "any point of an item (prompt reading included) over the item's length, the largest over the items. "
+    "Fixed baselines are matched to each variant's measured mean, workload by workload (the budgets table); "
+    "*ahead at equal memory* names the best quality among a variant and its matched baselines. "
     "The quality columns are relative to the `full` cache: Δppl is the relative change in teacher-forced perplexity, "
     "KL the mean KL divergence of the next-token distribution from full's, and BLEU-4 / ROUGE-L compare free "
     "generations with full's generations of the same prompts (100 / 1.0 = identical text). Pass-key and multi-key "
@@ -211,11 +460,20 @@ def _report_md(results: dict[str, Any], plots: dict[str, Path]) -> str:
     parts = [
         f"# confkv benchmark: {results.get('model', '?')}, suite {results.get('suite', '?')}\n",
         f"Commit `{results.get('commit') or 'n/a'}`, created {results.get('created') or 'n/a'}.\n",
+        run_time_line(results),
         "## Settings\n",
         _settings_md(results.get("settings")),
         "## Results\n",
         markdown_table(results),
     ]
+    memory = memory_markdown(results)
+    if memory:
+        parts += ["## Resident KV per workload (mean % / peak % of the full cache)\n", memory]
+    budgets = budgets_markdown(results)
+    if budgets:
+        parts += ["## Baseline budgets (tokens), matched to each variant's mean resident KV\n", budgets]
+    if any((e or {}).get("matched_to") for e in (results.get("policies") or {}).values()):
+        parts += ["## Who is ahead at equal memory\n", comparison_markdown(results)]
     if plots:
         parts.append("## Plots\n")
         for key, path in plots.items():
@@ -362,24 +620,36 @@ def plot_kv_trace(results: dict[str, Any], path: Path) -> Path | None:
 
 
 def _label(v: Any) -> str:
-    """Tick text: ``0.3`` rather than ``0.30000000000000004`` when a depth was computed."""
+    """Tick text: ``0.3`` rather than ``0.30000000000000004`` when a depth was computed; a (filler, length)
+    column as two lines."""
+    if isinstance(v, tuple):
+        return f"{_label(v[1])}\n{v[0]}"
     f = _finite(v)
     return "?" if v is None else (f"{f:g}" if f is not None else str(v))
 
 
-def _grid_cells(records: list[dict[str, Any]]) -> tuple[list[Any], list[Any], np.ndarray]:
-    """Accuracy per (depth, length) cell; NaN where the grid has no item."""
+def _column(r: dict[str, Any], fillers: bool) -> Any:
+    """A grid column: the length, or (filler, length) when the grid mixes fillers."""
+    return (str(r.get("filler")), r.get("length")) if fillers else r.get("length")
 
-    def key(v: Any) -> tuple[int, float, str]:
+
+def _grid_cells(records: list[dict[str, Any]]) -> tuple[list[Any], list[Any], np.ndarray]:
+    """Accuracy per (depth, column) cell, a column being a length or a (filler, length) pair; NaN where the grid
+    has no item."""
+
+    def key(v: Any) -> tuple[Any, ...]:
+        if isinstance(v, tuple):
+            return (v[0], *key(v[1]))
         f = _finite(v)
         return (f is None, f if f is not None else 0.0, str(v))
 
-    lengths = sorted({r.get("length") for r in records}, key=key)
+    fillers = len({r.get("filler") for r in records if r.get("filler") is not None}) > 1
+    lengths = sorted({_column(r, fillers) for r in records}, key=key)
     depths = sorted({r.get("depth") for r in records}, key=key)
     hits = np.zeros((len(depths), len(lengths)))
     count = np.zeros_like(hits)
     for r in records:
-        i, j = depths.index(r.get("depth")), lengths.index(r.get("length"))
+        i, j = depths.index(r.get("depth")), lengths.index(_column(r, fillers))
         count[i, j] += 1
         hits[i, j] += bool(r.get("correct"))
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -412,7 +682,7 @@ def plot_passkey(results: dict[str, Any], path: Path) -> Path | None:
                 ax.text(j, i, text, ha="center", va="center", fontsize=9, color="white" if dark else "black")
         ax.set_xticks(range(len(lengths)), [_label(v) for v in lengths])
         ax.set_yticks(range(len(depths)), [_label(v) for v in depths])
-        ax.set_xlabel("prompt length (tokens)")
+        ax.set_xlabel("prompt length (tokens)" + (" and filler" if any(isinstance(v, tuple) for v in lengths) else ""))
         ax.set_ylabel("key depth (0 = start)")
         records = grid[name]
         overall = sum(bool(r.get("correct")) for r in records) / len(records)
