@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: venv test test-fast run demo bench serve hf-serve-env serve-load lint format clean
+.PHONY: venv test test-fast run demo bench bench-standard serve hf-serve-env serve-load lint format clean
 
 # promtool (Prometheus' rule checker) from Debian's prometheus package: the server tests check deploy/ with it.
 PROMTOOL := $(BIN)/promtool
@@ -55,6 +55,10 @@ demo: $(STAMP)
 ## The quick benchmark suite (about 10 minutes on 2 CPU cores): results.json, report.md, plots.
 bench: $(STAMP)
 	$(BIN)/confkv bench --model $(MODEL) --suite quick --out bench-out/quick-$(MODEL)
+
+## The standard suite (items of 2,000-4,000 tokens; 33-50 minutes on 2 CPU cores): who is ahead at equal memory.
+bench-standard: $(STAMP)
+	$(BIN)/confkv bench --model $(MODEL) --suite standard --out bench-out/standard-$(MODEL)
 
 ## The OpenAI-compatible server on the default model (http://127.0.0.1:$(PORT)/v1, /metrics, /health).
 serve: $(STAMP)

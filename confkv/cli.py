@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["quick", "standard", "throughput"],
         default="quick",
         help="quality and memory against the full cache: quick (items of about 1,000 tokens, for CI) or standard "
-        "(2,000-4,000 tokens, about 40 minutes on 2 CPU cores); throughput: requests served from one KV pool",
+        "(2,000-4,000 tokens, 33-50 minutes on 2 CPU cores); throughput: requests served from one KV pool",
     )
     bench.add_argument(
         "--policies",
