@@ -40,6 +40,7 @@ from confkv.kv.host import HostTier
 from confkv.kv.manager import CacheManager
 from confkv.kv.pool import BlockPool
 from confkv.model_loader import LoadedModel, load_model, resolve_device
+from confkv.sessions.tiers import SessionOptions, SessionTiers
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,11 @@ class LLMEngine:
         policy: CachePolicy | None = None,
         loaded: LoadedModel | None = None,
         policy_info: dict[str, str | None] | None = None,
+        sessions: SessionOptions | None = None,
     ) -> None:
         """``policy_info`` says where the start-up policy came from (``name``, ``version``, ``source``: a registry
-        reference, a file); by default its controller's name from ``startup``."""
+        reference, a file); by default its controller's name from ``startup``. ``sessions`` configures the session
+        tiers (default: in memory only, no object storage)."""
         self.config = config = config or EngineConfig()
         self.policy = policy = policy or CachePolicy()
         if loaded is not None and config.device is None:
@@ -150,6 +153,8 @@ class LLMEngine:
         self.policy_swaps_refused = 0
         self._lock = threading.Lock()
         self._pending_policy: tuple[CachePolicy, Controller, dict[str, str | None]] | None = None
+        self.sessions = SessionTiers(self, sessions or SessionOptions())
+        self.scheduler.reclaim = self.sessions.reclaim
 
     # ------------------------------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
@@ -188,10 +193,13 @@ class LLMEngine:
         *,
         chat: bool = False,
         policy_overrides: dict[str, Any] | None = None,
+        session_id: str | None = None,
     ) -> None:
         """Queue a request; bad input raises ``ConfkvError`` and leaves every other request untouched.
 
-        ``policy_overrides`` changes policy keys for this request only (not the engine-wide ones).
+        ``policy_overrides`` changes policy keys for this request only (not the engine-wide ones). ``session_id``
+        continues a session: the prompt (the whole conversation so far) reuses the KV the session kept, and only
+        its new tokens are computed (``confkv.sessions.tiers``).
         """
         params = params or SamplingParams()
         if request_id in self._seqs:
@@ -239,6 +247,8 @@ class LLMEngine:
                 f"{self.pool.num_blocks} ({self.pool.total_bytes / 2**20:.1f} MiB); raise kv_cache_memory or "
                 "shorten the request"
             )
+        if session_id is not None:
+            self.sessions.attach(seq, session_id)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -358,10 +368,13 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
         self._apply_pending_policy()
+        self.sessions.housekeeping()
         sched = self.scheduler.schedule()
         outputs = [self._fail(seq, reason, "too_large") for seq, reason in sched.failed]
         if not sched.chunks:
-            if self.scheduler.running and not outputs:
+            if any(seq.restoring for seq in self.scheduler.waiting):
+                self.sessions.wait_for_restores(0.02)  # nothing else to do: wait for a record, do not spin
+            elif self.scheduler.running and not outputs:
                 raise RuntimeError("running requests but nothing scheduled (an engine bug)")
             return outputs
         self.num_steps += 1
@@ -652,7 +665,9 @@ class LLMEngine:
         cut = self._stop_cut(seq, text) if seq.params.stop else None
         seq.text = text if cut is None else text[:cut]
         self.scheduler.remove(seq)
-        self.manager.close(seq.kv)
+        if not self.sessions.park(seq):
+            self.sessions.release(seq)
+            self.manager.close(seq.kv)
         del self._seqs[seq.request_id]
 
     def _fail(self, seq: Sequence, reason: str, kind: str) -> StepOutput:
@@ -696,4 +711,22 @@ class LLMEngine:
             "policy_swaps_refused": self.policy_swaps_refused,
             "request_errors": sum(self.request_errors.values()),
             "request_errors_by_kind": dict(self.request_errors),
+            **self.sessions.stats(),
         }
+
+    # ------------------------------------------------------------------------------------------------- sessions
+    def delete_session(self, session_id: str) -> bool:
+        """Forget a session in every tier (its running request, if any, finishes unparked)."""
+        return self.sessions.delete(session_id)
+
+    def flush_sessions(self, timeout_s: float = 60.0) -> int:
+        """Write every session held in memory to object storage and wait (before a shutdown); returns how many."""
+        return self.sessions.flush(timeout_s)
+
+    def housekeeping(self) -> None:
+        """Session tier moves and expiry for an idle engine (``step`` does this itself when it runs)."""
+        self.sessions.housekeeping()
+
+    def close(self) -> None:
+        """Stop the background session writer (sessions in memory are not written: see ``flush_sessions``)."""
+        self.sessions.close()

@@ -15,6 +15,7 @@ from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import RequestOutput
 from confkv.errors import ConfkvError
 from confkv.model_loader import LoadedModel
+from confkv.sessions.tiers import SessionOptions
 
 if TYPE_CHECKING:
     from confkv.scoring import ScoreResult
@@ -50,6 +51,7 @@ class LLM:
         loaded: LoadedModel | None = None,
         registry_url: str | None = None,
         policy_watch_interval_s: float | None = 5.0,
+        sessions: SessionOptions | None = None,
         **policy_overrides: Any,
     ) -> None:
         self.policy_watcher = None
@@ -77,7 +79,7 @@ class LLM:
         info = None
         if resolved is not None:
             info = {"name": resolved.name, "version": str(resolved.version), "source": resolved.ref}
-        self.engine = LLMEngine(config, cache_policy, loaded=loaded, policy_info=info)
+        self.engine = LLMEngine(config, cache_policy, loaded=loaded, policy_info=info, sessions=sessions)
         self._batches = itertools.count()
         if resolved is not None and resolved.alias is not None and policy_watch_interval_s is not None:
             from store.watcher import watch_engine
@@ -88,10 +90,14 @@ class LLM:
             )  # fmt: skip
 
     def close(self) -> None:
-        """Stop following a registry alias (nothing else needs closing)."""
+        """Stop following a registry alias and the session writer (sessions with a store: ``flush_sessions``
+        first to keep them)."""
         watcher, self.policy_watcher = getattr(self, "policy_watcher", None), None
         if watcher is not None:
             watcher.stop()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
@@ -112,12 +118,19 @@ class LLM:
         *,
         chat: bool = False,
         use_tqdm: bool = False,
+        session_id: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs come back in prompt order."""
+        """Run every prompt to completion with continuous batching; outputs come back in prompt order.
+
+        ``session_id`` (one per prompt, or one for a single prompt) continues sessions: each prompt is the whole
+        conversation so far and reuses the KV its session kept (``RequestOutput.cached_tokens``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if not prompts:
             raise ConfkvError("no prompts given")
+        sessions = session_id if isinstance(session_id, list) else [session_id] * len(prompts)
+        if len(sessions) != len(prompts):
+            raise ConfkvError(f"{len(sessions)} session ids for {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -128,8 +141,8 @@ class LLM:
         batch = next(self._batches)
         ids = [f"gen-{batch}-{i}" for i in range(len(prompts))]
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
-                engine.add_request(rid, prompt, p, chat=chat)
+            for rid, prompt, p, sid in zip(ids, prompts, params, sessions, strict=True):
+                engine.add_request(rid, prompt, p, chat=chat, session_id=sid)
         except ConfkvError:
             for rid in ids:
                 engine.abort_request(rid)
@@ -162,10 +175,17 @@ class LLM:
 
     def chat(
         self,
-        messages: list[str] | str,
+        messages: str | list[str] | list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | None = None,
         *,
         use_tqdm: bool = False,
+        session_id: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Single-turn chat: each user message goes through the model's chat template."""
-        return self.generate(messages, sampling_params, chat=True, use_tqdm=use_tqdm)
+        """Chat through the model's template: user messages (one turn each), or conversations (lists of
+        ``{"role", "content"}`` turns, system and assistant included), one output per message or conversation."""
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            messages = [messages]  # type: ignore[list-item]
+        if isinstance(messages, list) and messages and isinstance(messages[0], list):
+            ids = [self.engine.tokenize_messages(conv) for conv in messages]  # type: ignore[arg-type]
+            return self.generate(ids, sampling_params, use_tqdm=use_tqdm, session_id=session_id)
+        return self.generate(messages, sampling_params, chat=True, use_tqdm=use_tqdm, session_id=session_id)

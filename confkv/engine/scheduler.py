@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from confkv.engine.sequence import Sequence, Status
@@ -78,6 +79,8 @@ class Scheduler:
         self.breaker_trips = 0
         self.refused_expansions = 0
         self.tripped = False
+        #: Frees device blocks held outside the running set (parked sessions) when memory runs short.
+        self.reclaim: Callable[[int], int] = lambda blocks: 0
         self.set_watermarks(high_watermark, low_watermark)
 
     def set_watermarks(self, high: float, low: float) -> None:
@@ -131,6 +134,8 @@ class Scheduler:
         pool, manager = self.manager.pool, self.manager
         if self.tripped and pool.num_used <= self.low_blocks:
             self.tripped = False
+        if not self.tripped and pool.num_used > self.high_blocks:  # parked sessions go first
+            self.reclaim(pool.num_used - self.low_blocks)
         if self.tripped or pool.num_used <= self.high_blocks:
             return
         evicting = [s for s in self.running if s.kv.controller.evicts]
@@ -173,6 +178,8 @@ class Scheduler:
                 continue
             else:
                 n = min(seq.num_uncomputed, budget)
+            if manager.blocks_needed(seq.kv, n) > pool.num_free:
+                self.reclaim(manager.blocks_needed(seq.kv, n) - pool.num_free)
             while manager.blocks_needed(seq.kv, n) > pool.num_free:
                 if len(self.running) == 1:  # alone and still too big: it can never run
                     self.running.remove(seq)
@@ -191,7 +198,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if len(self.running) >= self.max_batch_size:
                 break
-            if seq.paused:
+            if seq.paused or seq.restoring:
                 continue
             if budget <= 0 and not seq.scored:
                 break
@@ -204,6 +211,8 @@ class Scheduler:
             if self.running and committed + need > limit:
                 break
             n = min(seq.num_uncomputed, self.max_num_batched_tokens if seq.scored else budget)
+            if manager.blocks_needed(seq.kv, n) > pool.num_free:
+                self.reclaim(manager.blocks_needed(seq.kv, n) - pool.num_free)
             if manager.blocks_needed(seq.kv, n) > pool.num_free:
                 break
             self.waiting.remove(seq)

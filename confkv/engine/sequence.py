@@ -71,6 +71,13 @@ class Sequence:
     paused: bool = False
     #: The newest sampling query and its log-sum-exp over the resident keys (what a recall between steps needs).
     last_query: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: Sessions: the conversation this request continues, the prompt tokens whose KV it reused, and whether it is
+    #: waiting for its record to come back from object storage (and how long that took).
+    session_id: str | None = None
+    cached_tokens: int = 0
+    restoring: bool = False
+    restore_started: float = 0.0
+    restore_s: float | None = None
     preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -143,6 +150,8 @@ class RequestOutput:
     trace: Trace
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    session_id: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the session (OpenAI's usage.prompt_tokens_details)
 
     @property
     def prompt_tokens(self) -> int:
@@ -166,6 +175,9 @@ class RequestOutput:
         }
         if self.error is not None:
             out["error"] = self.error
+        if self.session_id is not None:
+            out["session_id"] = self.session_id
+            out["cached_tokens"] = self.cached_tokens
         if self.logprobs is not None:
             out["logprobs"] = [asdict(t) for t in self.logprobs]
         if with_trace:
@@ -187,6 +199,8 @@ class RequestOutput:
             "decode_s": decode_s,
             "tokens_per_s": (generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
         }
+        if seq.restore_s is not None:
+            timing["restore_s"] = seq.restore_s
         signals = {
             "entropy": _summary(seq.trace.entropy),
             "gap": _summary(seq.trace.gap),
@@ -205,4 +219,6 @@ class RequestOutput:
             trace=seq.trace,
             error=seq.error,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            session_id=seq.session_id,
+            cached_tokens=seq.cached_tokens,
         )

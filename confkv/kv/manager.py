@@ -264,17 +264,66 @@ class CacheManager:
         for i in victims:
             table.entries[i] = ON_HOST
         self.pool.free(block_ids)
+        self._mark_dropped(dropped)
+        kv.stats.evicted_blocks += len(victims)
+        kv.stats.host_bytes = self.host.bytes_of(kv.seq_id)
+        kv.stats.host_peak_bytes = max(kv.stats.host_peak_bytes, kv.stats.host_bytes)
+        self.evicted_blocks += len(victims)
+        return len(victims)
+
+    # ------------------------------------------------------------------------------------ whole-sequence moves
+    def offload_all(self, kv: SequenceKV) -> int:
+        """Move every device block of a sequence to the host tier (a parked session under memory pressure);
+        returns the blocks freed on the device."""
+        idx = kv.table.resident_indices()
+        if not idx:
+            return 0
+        block_ids = [kv.table.entries[i] for i in idx]
+        k, v, score = self.pool.read_blocks(block_ids)
+        dropped = self.host.put(kv.seq_id, idx, k, v, score)
+        for i in idx:
+            kv.table.entries[i] = ON_HOST
+        self.pool.free(block_ids)
+        self._mark_dropped(dropped)
+        return len(idx)
+
+    def restore_to_device(self, kv: SequenceKV, indices: list[int]) -> int:
+        """Bring host blocks back to the device, as many as there are free blocks; returns how many came back."""
+        host = [i for i in indices if kv.table.entries[i] == ON_HOST]
+        host = host[: self.pool.num_free]
+        if not host:
+            return 0
+        ids = self.pool.allocate(len(host))
+        k, v, score = self.host.take(kv.seq_id, host)
+        self.pool.write_blocks(ids, k, v, score)
+        for i, block in zip(host, ids, strict=True):
+            kv.table.entries[i] = block
+        return len(host)
+
+    def truncate(self, kv: SequenceKV, n_tokens: int) -> int:
+        """Forget every token from ``n_tokens`` on (a session whose next prompt departs from its history there);
+        returns the tokens kept: fewer when the block holding the cut is not on the device (it cannot be
+        overwritten in place)."""
+        table, bs = kv.table, self.block_size
+        n = min(n_tokens, table.num_tokens)
+        if n % bs and table.entries[n // bs] < 0:
+            n -= n % bs
+        keep = table.blocks_for(n)
+        self.pool.free([b for b in table.entries[keep:] if b >= 0])
+        for i in range(keep, len(table.entries)):
+            if table.entries[i] == ON_HOST:
+                self.host.take(kv.seq_id, [i])
+        del table.entries[keep:]
+        table.num_tokens = n
+        return n
+
+    def _mark_dropped(self, dropped: list[tuple[int, int]]) -> None:
         for sid, idx in dropped:
             owner = self._seqs.get(sid)
             if owner is not None:
                 owner.table.entries[idx] = DROPPED
                 owner.stats.dropped_blocks += 1
                 owner.stats.host_bytes = self.host.bytes_of(sid)
-        kv.stats.evicted_blocks += len(victims)
-        kv.stats.host_bytes = self.host.bytes_of(kv.seq_id)
-        kv.stats.host_peak_bytes = max(kv.stats.host_peak_bytes, kv.stats.host_bytes)
-        self.evicted_blocks += len(victims)
-        return len(victims)
 
     # --------------------------------------------------------------------------------------------------- recall
     def recall(self, kv: SequenceKV, q: torch.Tensor, lse: torch.Tensor, max_blocks: int | None = None) -> list[int]:

@@ -1,0 +1,160 @@
+"""Sessions across the three tiers on tiny-random: turns that reuse their history's KV give the text a full
+recomputation gives, wherever the session was kept (device, host, a folder, S3 via moto) and whatever went wrong
+with the store."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from confkv import LLM, SamplingParams
+from confkv.sessions.store import SessionStore
+from confkv.sessions.tiers import SessionOptions
+
+from .conftest import fresh_tiny
+
+TURNS = [
+    "Hello! Tell me about the sea.",
+    "And what lives in it?",
+    "Summarise what you said in one line.",
+]
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def _chat(llm: LLM, session: str | None, between=None) -> list:
+    """Three turns; each prompt is the whole conversation so far (as an OpenAI client sends it)."""
+    messages, outs = [], []
+    for i, turn in enumerate(TURNS):
+        messages.append({"role": "user", "content": turn})
+        (out,) = llm.chat([messages], PARAMS, session_id=session)
+        messages.append({"role": "assistant", "content": out.text})
+        outs.append(out)
+        if between is not None and i < len(TURNS) - 1:
+            between(llm, i)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [o.token_ids for o in _chat(LLM("tiny-random", "full", loaded=fresh_tiny()), None)]
+
+
+def test_device_tier_reuses_history_and_matches_recomputation(reference):
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny())
+    outs = _chat(llm, "chat-1")
+    assert [o.token_ids for o in outs] == reference
+    assert outs[0].cached_tokens == 0
+    for prev, out in itertools.pairwise(outs):
+        assert out.cached_tokens >= prev.prompt_tokens  # at least the previous prompt's KV was reused
+        assert out.cached_tokens < out.prompt_tokens  # and the new turn was computed
+    stats = llm.engine.stats()
+    assert stats["session_hits"]["device"] == 2 and stats["session_tokens_reused"] > 0
+    assert stats["sessions"]["device"] == 1 and llm.engine.pool.num_used > 0  # parked on the device
+
+
+def test_host_tier_after_memory_pressure(reference):
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny())
+    outs = _chat(llm, "chat-2", between=lambda llm, i: llm.engine.sessions.reclaim(10**6))
+    assert [o.token_ids for o in outs] == reference
+    stats = llm.engine.stats()
+    assert stats["session_hits"]["host"] == 2 and stats["session_hits"]["device"] == 0
+    llm.engine.sessions.reclaim(10**6)
+    assert llm.engine.stats()["sessions"]["host"] == 1 and llm.engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("where", ["folder", "memory"])
+def test_store_tier_survives_a_restart(reference, tmp_path, where):
+    url = str(tmp_path / "sessions") if where == "folder" else f"memory://confkv-test-{tmp_path.name}"
+    options = SessionOptions(store_url=url)
+
+    def offload(llm, i):
+        assert llm.engine.flush_sessions() == 1  # what SIGTERM does: every session to the store
+        llm.engine.sessions.parked.clear()  # and then the process is gone
+
+    first = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=options)
+    outs = _chat(first, "chat-3", between=offload)
+    first.close()
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.cached_tokens > 0 for o in outs[1:])
+    assert all("restore_s" in o.timing for o in outs[1:])
+    stats = first.engine.stats()
+    assert stats["session_hits"]["store"] == 2 and stats["session_offloads"] == 2
+    assert SessionStore(url).list_sessions() == ["chat-3"]
+
+
+def test_idle_sessions_move_down_the_tiers(tmp_path):
+    options = SessionOptions(store_url=str(tmp_path / "s"), idle_s=0.0, offload_s=0.0)
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=options)
+    llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="idle")
+    engine = llm.engine
+    engine.housekeeping()  # device -> host
+    assert engine.stats()["sessions"]["host"] == 1 and engine.pool.num_used == 0
+    engine.housekeeping()  # host -> store
+    engine.flush_sessions()  # wait for the write
+    assert engine.stats()["sessions"]["store"] == 1 and engine.host.used_bytes == 0
+    assert SessionStore(str(tmp_path / "s")).exists("idle")
+    llm.close()
+
+
+def test_prompt_that_departs_from_history_keeps_the_common_prefix(reference):
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny())
+    first = llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="s")[0]
+    other = [{"role": "user", "content": "A different opening altogether."}]
+    (out,) = llm.chat([other], PARAMS, session_id="s")
+    alone = LLM("tiny-random", "full", loaded=fresh_tiny()).chat([other], PARAMS)[0]
+    assert out.token_ids == alone.token_ids
+    assert out.cached_tokens < first.prompt_tokens
+    assert llm.engine.stats()["session_mismatches"] == 1
+
+
+def test_store_faults_fall_back_to_recomputation(reference, tmp_path):
+    url = str(tmp_path / "faulty")
+    options = SessionOptions(store_url=url)
+    store = SessionStore(url)
+
+    def corrupt(llm, i):
+        llm.engine.flush_sessions()
+        llm.engine.sessions.parked.clear()
+        path = tmp_path / "faulty" / "chat-4.record"
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2] if i == 0 else data[:-8] + b"garbage!")
+
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=options)
+    outs = _chat(llm, "chat-4", between=corrupt)
+    assert [o.token_ids for o in outs] == reference  # every request succeeded, by recomputation
+    assert all(o.cached_tokens == 0 for o in outs)
+    assert llm.engine.stats()["session_faults"]["corrupt"] == 2
+    assert store.stats()["faults"]["corrupt"] == 0  # (a fresh store object: the engine's own counted them)
+    llm.close()
+
+
+def test_a_record_from_another_model_is_refused(reference, tmp_path):
+    url = str(tmp_path / "foreign")
+    other = LLM("tiny-random", "full", loaded=fresh_tiny(seed=7), sessions=SessionOptions(store_url=url))
+    other.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="chat-5")
+    other.engine.flush_sessions()
+    other.close()
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=SessionOptions(store_url=url))
+    outs = _chat(llm, "chat-5")
+    assert [o.token_ids for o in outs] == reference
+    assert outs[0].cached_tokens == 0 and llm.engine.stats()["session_faults"]["foreign"] == 1
+    llm.close()
+
+
+def test_one_turn_at_a_time_and_delete(tmp_path):
+    from confkv.errors import ConfkvError
+
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=SessionOptions(store_url=str(tmp_path / "d")))
+    engine = llm.engine
+    engine.add_request("a", "hello there", PARAMS, session_id="busy")
+    with pytest.raises(ConfkvError, match="already has a request running"):
+        engine.add_request("b", "hello again", PARAMS, session_id="busy")
+    with pytest.raises(ConfkvError):
+        engine.add_request("c", "bad id", PARAMS, session_id="no spaces allowed")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["sessions"]["device"] == 1
+    assert engine.delete_session("busy") and engine.stats()["sessions"]["device"] == 0
+    assert engine.pool.num_used == 0
+    llm.close()
