@@ -166,6 +166,12 @@ class SessionTiers:
             common += 1
         if not extends:
             self.mismatches += 1
+        # back to the device first (only the blocks that stay): a cut inside a block that is on the host would
+        # otherwise fall back to the block's start, so a session from the host or the store would recompute up to
+        # block_size - 1 tokens a session kept on the device reuses, and (under an evicting policy) continue
+        # differently from it
+        keep = kv.table.blocks_for(common)
+        manager.restore_to_device(kv, [i for i in resident if i < min(keep, len(kv.table))])
         kept = manager.truncate(kv, common)
         if kept == 0:
             manager.close(kv)
@@ -173,7 +179,6 @@ class SessionTiers:
             return
         self.hits[tier] += 1
         manager.close(seq.kv)  # the empty cache the request was opened with
-        manager.restore_to_device(kv, [i for i in resident if i < len(kv.table)])
         seq.seq_id = kv.seq_id
         kv.controller = seq.controller
         kv.stats = KVStats()
