@@ -1,7 +1,8 @@
 """Start ``confkv serve`` as a real process on a free loopback port, for the server tests.
 
 The server is asked for port 0 and prints the port it got (``confkv: listening on http://HOST:PORT``), so two test
-modules never race for a port. Its stderr is drained by a thread into ``log`` (a full pipe would stall it).
+modules never race for a port. Its stderr is drained by a thread into ``log`` (a full pipe would stall it). Unless
+a test names a ``--session-store``, the server gets ``none``: no test writes sessions into the user's cache folder.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ _LISTEN = re.compile(r"confkv: listening on (http://[^\s]+)")
 
 class ServerProcess:
     def __init__(self, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+        if "--session-store" not in args:  # keep the tests' sessions out of the user's cache folder
+            args = (*args, "--session-store", "none")
         cmd = [sys.executable, "-m", "confkv.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(

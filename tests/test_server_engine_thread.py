@@ -1,6 +1,6 @@
 """The engine thread in-process over a scripted fake engine (no model): one request failing inside the engine ends
-alone, an exception escaping ``step()`` fails only the requests in flight, each failure is counted once, and an idle
-thread sleeps."""
+alone, an exception escaping ``step()`` fails only the requests in flight, each failure is counted once, an idle
+thread sleeps (and does the session housekeeping when it wakes), and a stopped one writes the sessions out."""
 
 from __future__ import annotations
 
@@ -27,6 +27,18 @@ class Final:
     finish_reason: str
     kv: dict = field(default_factory=dict)
     error: str | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class FakeSessions:
+    """What the engine thread reads of ``engine.sessions``: no store, no session running, no restores."""
+
+    store: None = None
+    active: dict = field(default_factory=dict)
+
+    def drain_restore_seconds(self) -> list[float]:
+        return []
 
 
 class FakeEngine:
@@ -42,6 +54,19 @@ class FakeEngine:
         self.steps = 0
         self.unfinished_calls = 0
         self.errors: Counter[str] = Counter()
+        self.sessions = FakeSessions()
+        self.housekeeping_calls = 0
+        self.flushed = self.closed = False
+
+    def housekeeping(self) -> None:
+        self.housekeeping_calls += 1
+
+    def flush_sessions(self, timeout_s: float) -> int:
+        self.flushed = True
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
 
     def stats(self) -> dict:
         return {
@@ -191,8 +216,17 @@ def test_rejected_requests_raise_before_streaming(thread):
 def test_an_idle_thread_sleeps_on_its_inbox(thread):
     et, engine = thread
     time.sleep(0.2)
-    calls, steps = engine.unfinished_calls, engine.steps
+    calls, steps, chores = engine.unfinished_calls, engine.steps, engine.housekeeping_calls
     time.sleep(1.5)
     assert engine.steps == steps  # no step without work
     assert engine.unfinished_calls - calls <= 4  # woken about once a second, not spinning
+    assert 1 <= engine.housekeeping_calls - chores <= 4  # and each wake moves idle sessions down the tiers
     assert et.healthy(60)
+
+
+def test_stopping_writes_the_sessions_and_closes_the_engine():
+    engine = FakeEngine()
+    et = EngineThread(engine)
+    et.start()
+    et.stop()
+    assert not et.alive and engine.flushed and engine.closed

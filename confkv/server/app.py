@@ -6,8 +6,14 @@ travel the same inbox, so they always land between two steps.
 
 Every failure a client can cause is a 4xx with OpenAI's error body ``{"error": {"message", "type", "param",
 "code"}}``: malformed JSON, wrong types and out-of-range values (400), a missing or wrong API key (401), an unknown
-model (404), a body over the limit (413), a bad cache policy on ``PUT /v1/cache_policy`` (422); 503 while draining
-or when the engine thread is gone. A 500 means a bug in confkv, never bad input.
+model or session (404), a turn for a session that already has one running (409), a body over the limit (413), a bad
+cache policy on ``PUT /v1/cache_policy`` (422); 503 while draining or when the engine thread is gone. A 500 means a
+bug in confkv, never bad input.
+
+Sessions: the ``session_id`` body field goes to the engine with the request; ``DELETE /v1/sessions/{id}`` forgets a
+session in the engine's memory (through the engine thread's inbox, like everything that touches the engine) and in
+the object store (called from a worker thread here: the store is thread-safe, and its answer says whether the
+record existed).
 """
 
 from __future__ import annotations
@@ -42,14 +48,24 @@ from confkv.server.engine_thread import (
 )
 from confkv.server.metrics import ServerMetrics
 from confkv.server.settings import ServerSettings
+from confkv.sessions.errors import SessionStoreError
+from confkv.sessions.store import check_session_id
 
 log = logging.getLogger(__name__)
 
-_STATUS_KIND = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "too_large", 422: "bad_request"}
+_STATUS_KIND = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    409: "conflict",
+    413: "too_large",
+    422: "bad_request",
+}
 _STATUS_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     503: "service_unavailable",
@@ -301,9 +317,10 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
             raise APIError(503, f"the engine is not available: {err}", code="engine_unavailable") from None
         try:
             await asyncio.shield(asyncio.wrap_future(stream.accepted))
+        except RequestRejected as err:
+            raise APIError(err.status, str(err), param=err.param, code=err.code) from None
         except ConfkvError as err:
-            param = err.param if isinstance(err, RequestRejected) else _param_from_message(str(err))
-            raise APIError(400, str(err), param=param, code="invalid_value") from None
+            raise APIError(400, str(err), param=_param_from_message(str(err)), code="invalid_value") from None
         except EngineUnavailable as err:
             raise APIError(503, f"the engine is not available: {err}", code="engine_unavailable") from None
         except asyncio.CancelledError:
@@ -403,6 +420,7 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
             prompt=prompt,
             logprobs=body.logprobs,
             policy_overrides=body.cache_policy,
+            session_id=body.session_id,
         )
         stream = await admit(req)
         created = int(time.time())
@@ -416,7 +434,7 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
                 return P.CompletionChunk(**env, choices=[choice])
 
             def usage(ev: Event) -> P.CompletionChunk:
-                return P.CompletionChunk(**env, choices=[], usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens))
+                return P.CompletionChunk(**env, choices=[], usage=usage_of(ev))
 
             return streaming_response(stream_events(stream, chunk, usage if body.include_usage else None))
         done = await collect(stream, request)
@@ -437,7 +455,7 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
         resp = P.CompletionResponse(
             **env,
             choices=[P.CompletionChoice(text=text, logprobs=lp, finish_reason=last.finish_reason)],
-            usage=P.Usage.of(last.prompt_tokens, last.completion_tokens),
+            usage=usage_of(last),
             kv=last.kv,
         )
         return JSONResponse(resp.model_dump(exclude_none=True))
@@ -452,6 +470,7 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
             messages=body.template_messages(),
             logprobs=body.num_logprobs(),
             policy_overrides=body.cache_policy,
+            session_id=body.session_id,
         )
         stream = await admit(req)
         created = int(time.time())
@@ -468,9 +487,7 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
                 return P.ChatCompletionChunk(**env, choices=[choice])
 
             def usage(ev: Event) -> P.ChatCompletionChunk:
-                return P.ChatCompletionChunk(
-                    **env, choices=[], usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens)
-                )
+                return P.ChatCompletionChunk(**env, choices=[], usage=usage_of(ev))
 
             return streaming_response(stream_events(stream, chunk, usage if body.include_usage else None))
         done = await collect(stream, request)
@@ -487,12 +504,55 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
             choices=[
                 P.ChatChoice(message=P.AssistantMessage(content=text), logprobs=lp, finish_reason=last.finish_reason)
             ],
-            usage=P.Usage.of(last.prompt_tokens, last.completion_tokens),
+            usage=usage_of(last),
             kv=last.kv,
         )
         return JSONResponse(resp.model_dump(exclude_none=True))
 
+    # ---------------------------------------------------------------------------------------------- sessions
+    @app.delete("/v1/sessions/{session_id}", dependencies=auth)
+    async def delete_session(session_id: str) -> dict[str, Any]:
+        """Forget a session everywhere: 200 with where it was found, 404 if neither the engine's memory nor the store
+        held it, 400 for an id that cannot name a session, 503 if the store could not be reached (the memory tiers
+        are cleared by then; DELETE is idempotent, so the client retries)."""
+        try:
+            check_session_id(session_id)
+        except ConfkvError as err:
+            raise APIError(400, str(err), param="session_id", code="invalid_session_id") from None
+        store = et.session_store
+        run = asyncio.get_running_loop().run_in_executor
+        in_store, store_error = False, None
+        if store is not None:  # asked first: the engine queues a deletion on its own writer, which may run before ours
+            try:
+                in_store = await run(None, store.exists, session_id)
+            except SessionStoreError as err:
+                store_error = err
+        try:
+            in_memory = await _await(et.delete_session(session_id))
+        except EngineUnavailable as err:
+            raise APIError(503, f"the engine is not available: {err}", code="engine_unavailable") from None
+        if store is not None and store_error is None:  # deleted here too: gone from the store when we answer
+            try:
+                in_store = await run(None, store.delete, session_id) or in_store
+            except SessionStoreError as err:
+                store_error = err
+        if store_error is not None:
+            raise APIError(
+                503,
+                f"session {session_id!r} was removed from memory, but the session store did not answer "
+                f"({store_error}): its record may remain there; retry the DELETE",
+                code="session_store_unavailable",
+            )
+        if not (in_memory or in_store):
+            raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
+        return {"id": session_id, "object": "session.deleted", "deleted": True, "memory": in_memory, "store": in_store}
+
     return app
+
+
+def usage_of(ev: Event) -> P.Usage:
+    """OpenAI's usage block of a finished request, with the tokens its session supplied as ``cached_tokens``."""
+    return P.Usage.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
 
 
 def _param_from_policy_message(message: str) -> str | None:

@@ -4,17 +4,24 @@
 block tables the forward pass is reading. So exactly one thread touches the engine (and its tokenizer, which is not
 safe to share either), and everything else talks to it through an inbox that it drains between two steps:
 
-* ``submit`` (add a request), ``abort``, ``abort_all``, ``set_policy`` and ``refuse_policy`` are commands;
+* ``submit`` (add a request), ``abort``, ``abort_all``, ``set_policy``, ``refuse_policy`` and ``delete_session`` are
+  commands;
 * results flow back per request through an ``asyncio.Queue`` owned by the HTTP side's event loop, fed with
   ``loop.call_soon_threadsafe`` (the only thread-safe way into an asyncio queue);
 * the add's outcome (accepted, or the ``ConfkvError`` that becomes a 400) comes back on a ``concurrent.futures``
   future, so a bad request is answered before any stream starts.
 
-When nothing is running the thread blocks on the inbox (no busy loop), waking once a second to refresh its
-heartbeat so ``/health`` can tell an idle engine from a dead one. A request the engine fails alone (its
-``StepOutput.error``, counted by the engine in ``stats()["request_errors_by_kind"]``) ends alone; an exception
-escaping ``step()`` (an engine bug) fails the requests in flight, counted here as ``engine``, and the thread keeps
-serving new ones.
+When nothing is running the thread blocks on the inbox (no busy loop), waking once a second (more often when the
+session tier times are shorter: ``idle_wake_s``) to refresh its heartbeat, so ``/health`` can tell an idle engine
+from a dead one, and to run the engine's session housekeeping (a busy engine does it in every ``step()``), so that
+idle sessions move down the tiers (device -> host -> object storage) and expire without any traffic. A request the
+engine fails alone (its ``StepOutput.error``, counted by the engine in ``stats()["request_errors_by_kind"]``) ends
+alone; an exception escaping ``step()`` (an engine bug) fails the requests in flight, counted here as ``engine``, and
+the thread keeps serving new ones.
+
+When the thread ends (after the HTTP side has drained the running requests), it writes every session still in memory
+to the object store (``flush_sessions``, bounded by ``session_flush_s``) and closes the engine's background writer,
+so a server restarted on the same store loses no session.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import concurrent.futures
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +42,7 @@ from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
 from confkv.server.detok import IncrementalDetokenizer
 from confkv.server.metrics import ServerMetrics
+from confkv.sessions.store import check_session_id
 
 if TYPE_CHECKING:
     from confkv.engine.engine import LLMEngine, StepOutput
@@ -41,14 +50,33 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _IDLE_WAKE_S = 1.0
+_MIN_WAKE_S = 0.05
+
+
+def idle_wake_s(session_idle_s: float, session_offload_s: float) -> float:
+    """How often an idle thread wakes: once a second, or often enough for the session tier times (half the shorter
+    one, not below 50 ms), so a session moves down the tiers about when its time is up and not a second later."""
+    return max(_MIN_WAKE_S, min(_IDLE_WAKE_S, min(session_idle_s, session_offload_s) / 2))
 
 
 class RequestRejected(ConfkvError):
-    """A request the engine thread refused, with the body field it is about (OpenAI's ``param``)."""
+    """A request the engine thread refused, with the body field it is about (OpenAI's ``param``) and the HTTP
+    status the HTTP side answers with (400 unless a subclass says otherwise)."""
+
+    status = 400
+    code = "invalid_value"
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class SessionBusy(RequestRejected):
+    """A turn for a session that already has a request running: 409, the client sends one turn at a time (a second
+    turn cannot extend a conversation whose previous answer is not written yet)."""
+
+    status = 409
+    code = "session_busy"
 
 
 class EngineUnavailable(RuntimeError):
@@ -75,6 +103,7 @@ class Event:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the request's session
     kv: dict[str, Any] | None = None
 
     @property
@@ -97,6 +126,7 @@ class GenerateRequest:
     messages: list[dict[str, str]] | None = None
     logprobs: int | None = None
     policy_overrides: dict[str, Any] | None = None
+    session_id: str | None = None
 
 
 class RequestStream:
@@ -144,13 +174,21 @@ class EngineThread:
         max_prompt_tokens: int | None = None,
         max_tokens_limit: int | None = None,
         metrics: ServerMetrics | None = None,
+        session_flush_s: float = 60.0,
+        wake_s: float = _IDLE_WAKE_S,
     ) -> None:
+        """``session_flush_s`` bounds the writing of sessions to the object store when the thread ends; ``wake_s``
+        is how often an idle thread wakes (``idle_wake_s``)."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
         self.max_prompt_tokens = min(max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.max_tokens_limit = max_tokens_limit or self.max_model_len
         self.metrics = metrics
+        self.session_flush_s = session_flush_s
+        self.wake_s = wake_s
+        #: the engine's object store (thread-safe) or None: the HTTP side deletes a session's record through it
+        self.session_store = engine.sessions.store
         self._inbox: queue.Queue[_Cmd] = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
@@ -166,11 +204,12 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="confkv-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight and end the thread."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort everything in flight, write the sessions to the store and end the thread (by default waiting for
+        up to ``session_flush_s`` plus 10 seconds)."""
         self._inbox.put(_Cmd("stop"))
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(self.session_flush_s + 10.0 if timeout is None else timeout)
 
     @property
     def alive(self) -> bool:
@@ -218,6 +257,17 @@ class EngineThread:
         """Count a policy that a watcher could not load (corrupt file or registry version); serving goes on."""
         self._inbox.put(_Cmd("refuse_policy", (source, reason)))
 
+    def delete_session(self, session_id: str) -> concurrent.futures.Future[bool]:
+        """Forget a session in the engine's memory tiers (a request of it running now finishes without being kept);
+        the future holds whether the engine knew it (kept or running), or the ``ConfkvError`` of a bad id. The
+        engine also queues the deletion of its stored record on its background writer."""
+        fut: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        if not self.alive or self._stopping:
+            fut.set_exception(EngineUnavailable(self.fatal or "the engine is not running"))
+            return fut
+        self._inbox.put(_Cmd("delete_session", session_id, fut))
+        return fut
+
     # ------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
@@ -236,6 +286,8 @@ class EngineThread:
                     finally:
                         self.busy_since = None
                     self._dispatch(outs)
+                else:
+                    self._housekeeping()
                 self._beat()
         except Exception as err:  # a bug in this loop: /health must turn 503 rather than hang
             log.exception("engine thread died")
@@ -244,6 +296,35 @@ class EngineThread:
             self._stopping = True
             self._fail_all("server shutting down", reason="abort")
             self._refuse_pending()
+            self._close_engine()
+
+    def _housekeeping(self) -> None:
+        """Session tier moves and expiry while idle; a failure here is logged, never fatal to the thread."""
+        try:
+            self.engine.housekeeping()
+        except Exception:
+            log.exception("session housekeeping failed")
+
+    def _close_engine(self) -> None:
+        """Write every session held in memory to the store (bounded), then stop the engine's background writer.
+
+        Runs after the requests have drained (or been aborted: an aborted turn is kept as far as it got), so the
+        sessions written are complete. Tried even after an engine bug: the sessions are worth more than the risk.
+        """
+        t0 = time.monotonic()
+        try:
+            n = self.engine.flush_sessions(self.session_flush_s)
+            if self.session_store is not None:
+                took = time.monotonic() - t0
+                late = " (timed out: some writes may not have finished)" if took >= self.session_flush_s else ""
+                print(f"confkv: wrote {n} sessions to the session store in {took:.1f}s{late}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+        except Exception:
+            log.exception("writing the sessions to the store failed")
+        try:
+            self.engine.close()
+        except Exception:
+            log.exception("closing the engine failed")
 
     def _refuse_pending(self) -> None:
         """Answer commands that arrived after the end, so no HTTP handler waits forever."""
@@ -259,11 +340,15 @@ class EngineThread:
     def _beat(self) -> None:
         self.heartbeat = time.monotonic()
         self.stats_snapshot = dict(self.engine.stats())
+        restores = self.engine.sessions.drain_restore_seconds()  # drained even without metrics: it is a list
+        if self.metrics is not None:
+            for seconds in restores:
+                self.metrics.session_restore.observe(seconds)
 
     def _drain(self, block: bool) -> bool:
-        """Run queued commands; block (waking every second) when idle. False once asked to stop."""
+        """Run queued commands; block (waking every ``wake_s``) when idle. False once asked to stop."""
         try:
-            cmd = self._inbox.get(timeout=_IDLE_WAKE_S) if block else self._inbox.get_nowait()
+            cmd = self._inbox.get(timeout=self.wake_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -307,6 +392,10 @@ class EngineThread:
                 cmd.future.set_result(self.policy_snapshot[1])
         elif cmd.kind == "refuse_policy":
             self.engine.record_refused_policy(*cmd.payload)  # counts and logs it
+        elif cmd.kind == "delete_session":
+            sid = cmd.payload
+            running = sid in self.engine.sessions.active
+            cmd.future.set_result(bool(self.engine.delete_session(sid)) or running)
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         if req.messages is not None:
@@ -351,7 +440,20 @@ class EngineThread:
                 self.engine.controller_for(req.policy_overrides)
             except ConfkvError as err:
                 raise RequestRejected(f"cache_policy: {err}", "cache_policy") from None
-        self.engine.add_request(req.request_id, ids, params, policy_overrides=req.policy_overrides)
+        extra: dict[str, Any] = {}
+        if req.session_id is not None:
+            # checked before the engine sees it: a refused turn must leave nothing behind in the engine
+            try:
+                check_session_id(req.session_id)
+            except ConfkvError as err:
+                raise RequestRejected(str(err), "session_id") from None
+            if req.session_id in self.engine.sessions.active:
+                raise SessionBusy(
+                    f"session {req.session_id!r} already has a request running; send one turn at a time",
+                    "session_id",
+                )
+            extra["session_id"] = req.session_id
+        self.engine.add_request(req.request_id, ids, params, policy_overrides=req.policy_overrides, **extra)
         self._live[req.request_id] = _Live(
             stream=stream,
             detok=IncrementalDetokenizer(self.tokenizer, params.stop),
@@ -370,9 +472,16 @@ class EngineThread:
             return
         generated = len(out.token_ids) if out is not None else live.generated
         text = live.detok.finish(out.text) if out is not None else ""
+        cached = out.cached_tokens if out is not None else 0
         self._finish_metrics(live, "abort")
         live.stream.push(
-            Event(text, finish_reason="abort", prompt_tokens=live.prompt_tokens, completion_tokens=generated)
+            Event(
+                text,
+                finish_reason="abort",
+                prompt_tokens=live.prompt_tokens,
+                completion_tokens=generated,
+                cached_tokens=cached,
+            )
         )
 
     def _set_policy(self, policy: CachePolicy, source: str, version: str | None, name: str | None) -> None:
@@ -430,9 +539,9 @@ class EngineThread:
                 text = live.detok.add(ids)  # what this last token releases, then the rest of the engine's text
                 text += live.detok.finish(res.text)
                 reason = res.finish_reason or "stop"
-                generated, kv = len(res.token_ids), res.kv
+                generated, kv, cached = len(res.token_ids), res.kv, res.cached_tokens
             else:
-                text, reason, generated, kv = "", "error", live.generated, None
+                text, reason, generated, kv, cached = "", "error", live.generated, None, 0
             if error is not None:
                 reason = "error"  # the engine failed it and counted it by kind: not counted again here
             self._finish_metrics(live, reason, counted=error is not None)
@@ -445,6 +554,7 @@ class EngineThread:
                     error=error,
                     prompt_tokens=live.prompt_tokens,
                     completion_tokens=generated,
+                    cached_tokens=cached,
                     kv=kv,
                 )
             )

@@ -4,7 +4,9 @@ SIGTERM (or a first Ctrl-C) does not stop uvicorn at once: the server first stop
 requests answer 503), lets the running requests finish for up to ``--shutdown-grace`` seconds, aborts what is left
 (their streams end with ``finish_reason: "abort"``), and only then lets uvicorn close its connections; the process
 exits 0. A second signal skips the wait. uvicorn's own handler is replaced because it re-raises the signal after a
-graceful stop, which would end the process with status 143 instead of 0.
+graceful stop, which would end the process with status 143 instead of 0. Once the requests are gone, the engine
+thread writes every session it still holds to the session store (``--session-flush-timeout-s`` at most) and closes
+the engine, so a server restarted on the same store resumes them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import uvicorn
 from confkv.config import CONTROLLER_NAMES, CachePolicy, make_engine_config, resolve_policy
 from confkv.errors import ConfkvError
 from confkv.server.app import ServerState, create_app
-from confkv.server.engine_thread import EngineThread
+from confkv.server.engine_thread import EngineThread, idle_wake_s
 from confkv.server.metrics import ServerMetrics
 from confkv.server.policy_sources import (
     PolicyFileWatcher,
@@ -37,6 +39,7 @@ from confkv.server.settings import ServerSettings, settings_from_args
 
 if TYPE_CHECKING:
     from confkv.engine.engine import LLMEngine
+    from confkv.sessions.tiers import SessionOptions
 
 log = logging.getLogger("confkv.server")
 
@@ -121,9 +124,37 @@ def build_policy(args: argparse.Namespace) -> tuple[CachePolicy, dict[str, Any],
     return policy, info, None
 
 
+def session_options(settings: ServerSettings, cache_dir: str | None) -> SessionOptions:
+    """The engine's session options from the flags: ``--session-store`` absent is the folder under the cache
+    (``default_url``), ``none`` no store (sessions live in memory only and are lost at exit). S3 endpoint,
+    credentials and region come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), read by
+    s3fs/botocore, so no secret ever appears on a command line."""
+    from confkv.sessions.store import default_url
+    from confkv.sessions.tiers import SessionOptions
+
+    url = settings.session_store
+    if url is None:
+        url = default_url(cache_dir)
+    elif url.strip().lower() == "none":
+        url = None
+    return SessionOptions(
+        store_url=url,
+        idle_s=settings.session_idle_s,
+        offload_s=settings.session_offload_s,
+        ttl_s=settings.session_ttl_s,
+        timeout_s=settings.session_store_timeout_s,
+    )
+
+
 def build_state(engine: LLMEngine, settings: ServerSettings) -> ServerState:
     """Engine thread + metrics + shared state over a loaded engine (the thread is started by the app's lifespan)."""
-    et = EngineThread(engine, max_prompt_tokens=settings.max_prompt_tokens, max_tokens_limit=settings.max_tokens_limit)
+    et = EngineThread(
+        engine,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        max_tokens_limit=settings.max_tokens_limit,
+        session_flush_s=settings.session_flush_s,
+        wake_s=idle_wake_s(settings.session_idle_s, settings.session_offload_s),
+    )
     state: ServerState
     metrics = ServerMetrics(
         snapshot=lambda: et.stats_snapshot,
@@ -156,12 +187,14 @@ def serve(args: argparse.Namespace) -> int:
         }
     )
     logging.getLogger("confkv").setLevel(args.log_level.upper())
+    sessions = session_options(settings, args.cache_dir)
     t0 = time.perf_counter()
-    engine = LLMEngine(config, policy, policy_info=info)
+    engine = LLMEngine(config, policy, policy_info=info, sessions=sessions)
     print(
         f"confkv: model {args.model} loaded in {time.perf_counter() - t0:.1f}s on {engine.device}; "
         f"policy {info['name']} (version {info['version']}, from {info['source']}); "
-        f"KV pool {engine.pool.total_bytes / 2**20:.1f} MiB",
+        f"KV pool {engine.pool.total_bytes / 2**20:.1f} MiB; "
+        f"session store {sessions.store_url or 'none (memory only)'}",
         file=sys.stderr,
         flush=True,
     )

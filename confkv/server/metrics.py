@@ -11,6 +11,12 @@ Three sources, each read where it is cheap and safe:
 * Device memory through NVML (``nvidia-ml-py``, imported as ``pynvml``), only when the engine runs on CUDA and the
   package is installed; on a CPU machine those metrics are absent rather than zero.
 
+Sessions (``confkv.sessions.tiers``) come from the same snapshot (``stats()["session_*"]``): hits by the tier the
+session was found in, misses, mismatches, reused tokens, offloads to the object store, store faults by kind, the
+sessions and bytes held per tier, and whether the store answered its last call. The restore latency histogram is
+observed by the engine thread from ``engine.sessions.drain_restore_seconds()`` (every restore from the store, also
+those whose request was aborted meanwhile).
+
 ``confkv:request_errors_total{kind}`` joins the first two: the kinds the server counts itself (``ERROR_KINDS``: the
 4xx answers, 503s, a step that raised, internal errors) and the engine's own count of the requests it failed
 (``stats()["request_errors_by_kind"]``, exported as ``engine_<kind>``). Each failure is counted once, by whichever
@@ -38,6 +44,7 @@ ERROR_KINDS: tuple[str, ...] = (
     "bad_request",
     "unauthorized",
     "not_found",
+    "conflict",
     "too_large",
     "unavailable",
     "engine",
@@ -48,6 +55,23 @@ ERROR_KINDS: tuple[str, ...] = (
 ENGINE_ERROR_KINDS: tuple[str, ...] = ("too_large", "forward", "sampling")
 ENGINE_ERROR_PREFIX = "engine_"
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
+#: session tiers and store fault kinds (``confkv.sessions.tiers.TIERS``, ``confkv.sessions.store.FAULT_KINDS``),
+#: restated so that every series exists from the start (and this module imports no torch).
+SESSION_TIERS: tuple[str, ...] = ("device", "host", "store")
+SESSION_FAULT_KINDS: tuple[str, ...] = ("unavailable", "corrupt", "foreign")
+#: session counters read from ``engine.stats()``: metric name (without _total) -> (stats key, help)
+SESSION_COUNTERS: dict[str, tuple[str, str]] = {
+    "confkv:session_misses": (
+        "session_misses",
+        "Session requests that found no kept KV (new session, expired, deleted) and computed the whole prompt.",
+    ),
+    "confkv:session_mismatches": (
+        "session_mismatches",
+        "Session requests whose prompt did not extend the kept history (only the common prefix was reused).",
+    ),
+    "confkv:session_tokens_reused": ("session_tokens_reused", "Prompt tokens whose KV came from a session."),
+    "confkv:session_offloads": ("session_offloads", "Sessions written to the object store and freed from memory."),
+}
 
 #: gauges read from ``engine.stats()``: metric name -> (stats key, help)
 ENGINE_GAUGES: dict[str, tuple[str, str]] = {
@@ -84,6 +108,7 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
 _ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 11.0)
 _GAP_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
 _RESIDENT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_RESTORE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class EngineCollector(Collector):
@@ -117,6 +142,63 @@ class EngineCollector(Collector):
         healthy, draining = self._health()
         yield GaugeMetricFamily("confkv:healthy", "1 while /health answers 200.", value=1.0 if healthy else 0.0)
         yield GaugeMetricFamily("confkv:draining", "1 after SIGTERM, while requests drain.", value=float(draining))
+        yield from session_families(stats)
+
+
+def session_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The session metrics of one ``engine.stats()`` snapshot; every series exists (at 0) before the first session."""
+
+    def labelled(
+        fam: CounterMetricFamily | GaugeMetricFamily, values: dict[str, Any] | None, keys: tuple[str, ...]
+    ) -> CounterMetricFamily | GaugeMetricFamily:
+        values = values or {}
+        for key in keys:
+            fam.add_metric([key], float(values.get(key, 0) or 0))
+        return fam
+
+    yield labelled(
+        CounterMetricFamily(
+            "confkv:session_hits",
+            "Session requests that reused kept KV, by the tier the session was found in (store = restored).",
+            labels=["tier"],
+        ),
+        stats.get("session_hits"),
+        SESSION_TIERS,
+    )
+    for name, (key, doc) in SESSION_COUNTERS.items():
+        yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0) or 0))
+    yield labelled(
+        CounterMetricFamily(
+            "confkv:session_store_faults",
+            "Session store faults by kind (unreachable or slow, corrupt record, record of another model); each one "
+            "fell back to recomputation or, for a write, left the session to its next request's prompt.",
+            labels=["kind"],
+        ),
+        stats.get("session_faults"),
+        SESSION_FAULT_KINDS,
+    )
+    yield labelled(
+        GaugeMetricFamily("confkv:sessions", "Sessions kept between requests, by tier.", labels=["tier"]),
+        stats.get("sessions"),
+        SESSION_TIERS,
+    )
+    yield labelled(
+        GaugeMetricFamily(
+            "confkv:session_bytes", "Bytes of KV kept for sessions between requests, by tier.", labels=["tier"]
+        ),
+        stats.get("session_bytes"),
+        ("device", "host"),
+    )
+    written = (stats.get("session_bytes") or {}).get("store_written", 0)
+    yield CounterMetricFamily(
+        "confkv:session_store_written_bytes", "Bytes written to the session store.", value=float(written or 0)
+    )
+    reachable = stats.get("session_store_reachable")
+    yield GaugeMetricFamily(
+        "confkv:session_store_reachable",
+        "0 while the session store's last call failed; 1 otherwise (also with no store configured).",
+        value=0.0 if reachable is False else 1.0,
+    )
 
 
 class RequestErrors(Collector):
@@ -251,6 +333,12 @@ class ServerMetrics:
             "confkv:resident_kv_tokens",
             "KV tokens a sequence attended over on the device, per generated token.",
             buckets=_RESIDENT_BUCKETS,
+            registry=r,
+        )
+        self.session_restore = Histogram(
+            "confkv:session_restore_seconds",
+            "Time to read and check a session's record from the object store (request waiting meanwhile).",
+            buckets=_RESTORE_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter("confkv:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)

@@ -6,8 +6,9 @@ send ``user``, ``metadata`` ...), but fields whose meaning confkv cannot honour 
 bias, JSON mode) are refused by :func:`unsupported` instead of being dropped without a word.
 
 Two extra body fields carry confkv's own features: ``cache_policy`` (per-request overrides of cache-policy keys,
-validated by the engine) and ``session_id`` (reserved for the session tier: accepted and echoed). ``top_k``,
-``ignore_eos`` and ``stop_token_ids`` are vLLM's extra sampling fields, accepted the same way.
+validated by the engine) and ``session_id`` (continue that session: the prompt reuses the KV the session kept, and
+the reused tokens are reported in ``usage.prompt_tokens_details.cached_tokens``, where OpenAI reports its prompt
+cache). ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are vLLM's extra sampling fields, accepted the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from confkv.sessions.store import SESSION_ID_RE
 
 SInt = Annotated[int, Field(strict=True)]
 SFloat = Annotated[float, Field(strict=True)]
@@ -60,7 +63,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, Any] | None = None
     user: SStr | None = None
     cache_policy: dict[str, Any] | None = Field(None, description="per-request cache-policy overrides")
-    session_id: Annotated[str | None, Field(strict=True, min_length=1, max_length=256)] = None
+    session_id: SStr | None = Field(None, description="continue this session (1-128 of [A-Za-z0-9._-])")
 
     @field_validator("stop")
     @classmethod
@@ -70,6 +73,14 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("session_id")
+    @classmethod
+    def _valid_session_id(cls, v: str | None) -> str | None:
+        """A session id names objects in the store, so it is checked here: a bad one is a 400 before admission."""
+        if v is not None and not SESSION_ID_RE.fullmatch(v):
+            raise ValueError("use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
         return v
 
     def stop_list(self) -> list[str]:
@@ -197,17 +208,25 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ----------------------------------------------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    """OpenAI's breakdown of the prompt: ``cached_tokens`` are those whose KV came from the request's session."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 

@@ -31,6 +31,14 @@ class ServerSettings(BaseModel):
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: how long running requests may finish")
     policy_poll_s: float = Field(2.0, gt=0, description="how often --policy-file / the registry are checked")
     health_stale_s: float = Field(60.0, gt=0, description="a step running longer than this makes /health 503")
+    # Sessions (``confkv.sessions.tiers``). ``session_store`` None means the default folder under the cache
+    # (``confkv.sessions.store.default_url``), resolved at start-up; "none" keeps sessions in memory only.
+    session_store: str | None = Field(None, min_length=1, description="object store URL for session records")
+    session_idle_s: float = Field(60.0, ge=0, description="a session unused this long leaves the device")
+    session_offload_s: float = Field(600.0, ge=0, description="a session unused this long goes to the store")
+    session_ttl_s: float = Field(24 * 3600.0, gt=0, description="a session unused this long is deleted")
+    session_store_timeout_s: float = Field(5.0, gt=0, description="how long the store may stay silent per call")
+    session_flush_s: float = Field(60.0, ge=0, description="SIGTERM: how long writing sessions to the store may take")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +83,35 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: the context)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM lets running requests finish")
     p.add_argument("--policy-poll-interval", type=float, default=2.0, help="seconds between policy source checks")
+    p.add_argument(
+        "--session-store",
+        default=None,
+        metavar="URL",
+        help="where idle sessions' KV records go: a folder, file://, s3://BUCKET/PREFIX (endpoint and credentials "
+        "from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION), memory://, or none "
+        "(default: CACHE_DIR/sessions)",
+    )
+    p.add_argument(
+        "--session-idle-s", type=float, default=60.0, help="unused seconds before a session leaves the device"
+    )
+    p.add_argument(
+        "--session-offload-s", type=float, default=600.0, help="unused seconds before a session goes to the store"
+    )
+    p.add_argument(
+        "--session-ttl-s", type=float, default=24 * 3600.0, help="unused seconds before a session is deleted"
+    )
+    p.add_argument(
+        "--session-store-timeout-s",
+        type=float,
+        default=5.0,
+        help="seconds a store call may stay silent (then: recompute)",
+    )
+    p.add_argument(
+        "--session-flush-timeout-s",
+        type=float,
+        default=60.0,
+        help="SIGTERM: seconds to write the sessions held in memory to the store before exiting",
+    )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -97,6 +134,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             max_tokens_limit=args.max_tokens_limit,
             shutdown_grace_s=args.shutdown_grace,
             policy_poll_s=args.policy_poll_interval,
+            session_store=args.session_store,
+            session_idle_s=args.session_idle_s,
+            session_offload_s=args.session_offload_s,
+            session_ttl_s=args.session_ttl_s,
+            session_store_timeout_s=args.session_store_timeout_s,
+            session_flush_s=args.session_flush_timeout_s,
         )
     except ValidationError as err:
         raise ConfkvError(format_validation_error(err, "server setting")) from None
