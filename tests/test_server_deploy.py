@@ -70,6 +70,7 @@ def test_alerts_and_dashboard_read_only_exported_metrics():
         assert used and used <= names, f"{what} read metrics the server does not export: {used - names}"
     alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
     assert {"ConfkvKVPoolNearlyFull", "ConfkvHighErrorRate", "ConfkvUnhealthy", "ConfkvCircuitBreakerTripping",
-            "ConfkvPolicySwapRefused"} <= alerts  # fmt: skip
+            "ConfkvPolicySwapRefused", "ConfkvSessionStoreFaults",
+            "ConfkvSessionStoreUnreachable"} <= alerts  # fmt: skip
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
