@@ -336,6 +336,8 @@ def one_repeat(
         if how == "session":
             row[how]["restore_s"] = after[0] - before[0] if after[1] > before[1] else 0.0
     row["same_text"] = row["session"].pop("text") == row["recompute"].pop("text")
+    assert server.url is not None
+    _http("DELETE", f"{server.url}/v1/sessions/{session}")  # its KV is no use to the next repeat
     return row
 
 

@@ -313,12 +313,19 @@ class EngineThread:
         """
         t0 = time.monotonic()
         try:
+            faults = sum(self.engine.stats().get("session_faults", {}).values())
             n = self.engine.flush_sessions(self.session_flush_s)
+            took = time.monotonic() - t0
+            failed = sum(self.engine.stats().get("session_faults", {}).values()) - faults
             if self.session_store is not None:
-                took = time.monotonic() - t0
-                late = " (timed out: some writes may not have finished)" if took >= self.session_flush_s else ""
-                print(f"confkv: wrote {n} sessions to the session store in {took:.1f}s{late}", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                notes = [f"{failed} not taken by the store"] if failed else []
+                if took >= self.session_flush_s:
+                    notes.append("timed out: some writes may not have finished")
+                note = f" ({'; '.join(notes)})" if notes else ""
+                print(f"confkv: wrote {n - failed} sessions to the session store in {took:.1f}s{note}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            elif held := sum(self.engine.stats().get("sessions", {}).values()):
+                log.warning("no session store (--session-store none): %d sessions in memory are lost", held)
         except Exception:
             log.exception("writing the sessions to the store failed")
         try:

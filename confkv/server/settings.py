@@ -92,22 +92,36 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "(default: CACHE_DIR/sessions)",
     )
     p.add_argument(
-        "--session-idle-s", type=float, default=60.0, help="unused seconds before a session leaves the device"
+        "--session-idle-s",
+        metavar="S",
+        type=float,
+        default=60.0,
+        help="unused seconds before a session leaves the device",
     )
     p.add_argument(
-        "--session-offload-s", type=float, default=600.0, help="unused seconds before a session goes to the store"
+        "--session-offload-s",
+        metavar="S",
+        type=float,
+        default=600.0,
+        help="unused seconds before a session goes to the store",
     )
     p.add_argument(
-        "--session-ttl-s", type=float, default=24 * 3600.0, help="unused seconds before a session is deleted"
+        "--session-ttl-s",
+        metavar="S",
+        type=float,
+        default=24 * 3600.0,
+        help="unused seconds before a session is deleted",
     )
     p.add_argument(
         "--session-store-timeout-s",
+        metavar="S",
         type=float,
         default=5.0,
         help="seconds a store call may stay silent (then: recompute)",
     )
     p.add_argument(
         "--session-flush-timeout-s",
+        metavar="S",
         type=float,
         default=60.0,
         help="SIGTERM: seconds to write the sessions held in memory to the store before exiting",
