@@ -126,6 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
     from confkv.server.settings import add_serve_arguments
 
     add_serve_arguments(serve)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure the model's own entropy and top-1/top-2 gap and write thresholds that fit it (the default "
+        "policy for the model uses them)",
+    )
+    _add_model_args(cal)
+    cal.add_argument(
+        "--text-file", default=None, help="calibration text (default: train-split documentation from the corpus)"
+    )
+    cal.add_argument("--tokens", type=int, default=None, help="tokens to read (default 4096; a --text-file: all)")
+    cal.add_argument("--entropy-quantile", type=float, default=0.8, help="entropy_threshold: this quantile (0.8)")
+    cal.add_argument("--gap-quantile", type=float, default=0.2, help="gap_threshold: this quantile (0.2)")
+    cal.add_argument(
+        "--out",
+        default=None,
+        help="policy file to write (default: $CONFKV_CACHE/calibration/<model>.yaml, which the default policy of "
+        "the model then uses)",
+    )
     return parser
 
 
@@ -297,6 +316,32 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from confkv.calibration import calibrate, calibration_path
+
+    out = args.out or calibration_path(args.model, args.cache_dir)
+    if out is None:
+        raise ConfkvError("calibration is off (CONFKV_CALIBRATION); name a file with --out")
+    text = _read_text(args.text_file, "text") if args.text_file else None
+    result = calibrate(
+        args.model, text=text, tokens=args.tokens, entropy_quantile=args.entropy_quantile,
+        gap_quantile=args.gap_quantile, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
+        kv_cache_memory=args.kv_cache_memory, source=args.text_file,
+    )  # fmt: skip
+    path = result.write(out)
+    policy, meta = result.policy(), result.metadata()
+    print(
+        f"{args.model}: {meta['tokens']} tokens; entropy_threshold {policy.entropy_threshold:g} (quantile "
+        f"{args.entropy_quantile:g}), gap_threshold {policy.gap_threshold:g} (quantile {args.gap_quantile:g}): "
+        f"{100 * meta['uncertain_share']:.1f}% of tokens uncertain (3.5 / 0.15: "
+        f"{100 * meta['uncertain_share_at_requirement_defaults']:.1f}%)",
+        file=sys.stderr,
+    )
+    print(json.dumps({"path": str(path), "entropy_threshold": policy.entropy_threshold,
+                      "gap_threshold": policy.gap_threshold, **meta}))  # fmt: skip
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from confkv.server.main import serve
 
@@ -329,7 +374,8 @@ def run_command(
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries(args.verbose)
-    commands = {"generate": cmd_generate, "score": cmd_score, "bench": cmd_bench, "serve": cmd_serve}
+    commands = {"generate": cmd_generate, "score": cmd_score, "bench": cmd_bench, "serve": cmd_serve,
+                "calibrate": cmd_calibrate}  # fmt: skip
     return run_command("confkv", commands[args.command], args)
 
 

@@ -202,8 +202,16 @@ def resolve_policy(
     policy: str | CachePolicy | None = None,
     policy_file: str | Path | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
+    *,
+    model: str | None = None,
+    cache_dir: str | Path | None = None,
 ) -> CachePolicy:
-    """Combine the three ways of naming a policy; later ones win: file, then controller name, then overrides."""
+    """Combine the three ways of naming a policy; later ones win: file, then controller name, then overrides.
+
+    With ``model`` given, the default policy (``dynamic`` named by name or not at all, no file) takes the model's
+    calibrated ``entropy_threshold``/``gap_threshold`` when ``confkv calibrate`` has written them
+    (``confkv.calibration``); overrides still win.
+    """
     if isinstance(policy, CachePolicy):
         base = policy.model_dump()
     else:
@@ -212,6 +220,10 @@ def resolve_policy(
             if policy not in CONTROLLER_NAMES:
                 raise ConfkvError(f"unknown policy {policy!r}; choose one of: {', '.join(CONTROLLER_NAMES)}")
             base["controller"] = policy
+        if model is not None and not policy_file and base.get("controller", "dynamic") == "dynamic":
+            from confkv.calibration import calibrated_thresholds
+
+            base.update(calibrated_thresholds(model, cache_dir) or {})
     if overrides:
         base.update(parse_overrides(overrides) if isinstance(overrides, list) else overrides)
     return make_policy(base)

@@ -24,6 +24,16 @@ def _registry_in_a_temporary_folder(tmp_path_factory: pytest.TempPathFactory):
     mp.undo()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_calibration(tmp_path_factory: pytest.TempPathFactory):
+    """The default policy takes a model's calibrated thresholds when ``confkv calibrate`` wrote them: keep a
+    calibration in the user's cache from changing what the tests measure (an empty folder instead)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CONFKV_CALIBRATION", str(tmp_path_factory.mktemp("calibration")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture
 def tiny() -> LoadedModel:
     return fresh_tiny()

@@ -62,7 +62,9 @@ class LLM:
 
             resolved, cache_policy = registry_policy(policy_file, policy, policy_overrides, registry_url)
         else:
-            cache_policy = resolve_policy(policy, policy_file, policy_overrides or None)
+            cache_policy = resolve_policy(
+                policy, policy_file, policy_overrides or None, model=model, cache_dir=cache_dir
+            )  # the model's calibrated thresholds, when it has them, for the default policy
         config = make_engine_config(
             {
                 "model": model,
