@@ -1,7 +1,8 @@
-"""The requirement's fixed rule as an agent: the same knobs every segment (entropy 3.5, gap 0.15, scaling 0.8).
+"""The requirement's fixed rule as an agent: the same knobs every segment (a policy's thresholds, scaling and sizes).
 
 Run through the environment it must reproduce the engine's own ``dynamic`` policy, which is how the environment
-is checked against the engine.
+is checked against the engine. ``space`` is the environment's knob space (default: the one around ``policy``, the
+environment's own when ``policy`` is its base policy).
 """
 
 from __future__ import annotations
@@ -9,15 +10,15 @@ from __future__ import annotations
 import numpy as np
 
 from confkv.config import CachePolicy
-from confkv.learned import action_from_knobs
+from confkv.learned import KnobSpace
 
 
 class RuleAgent:
-    def __init__(self, policy: CachePolicy | None = None) -> None:
+    def __init__(self, policy: CachePolicy | None = None, space: KnobSpace | None = None) -> None:
         p = policy or CachePolicy()
-        self.knobs = {"entropy_threshold": p.entropy_threshold, "gap_threshold": p.gap_threshold,
-                      "scaling_factor": p.scaling_factor}  # fmt: skip
-        self._action = action_from_knobs(self.knobs)
+        self.space = space or KnobSpace.for_policy(p)
+        self.knobs = {name: float(getattr(p, name)) for name in self.space.names}
+        self._action = self.space.action(self.knobs)
 
     def __call__(self, obs: np.ndarray) -> np.ndarray:
         return self._action.copy()

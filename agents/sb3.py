@@ -1,32 +1,165 @@
-"""Training wrappers for stable-baselines3 PPO and SAC on the vectorised environment."""
+"""Training wrappers for stable-baselines3 PPO and SAC on the vectorised environment, with presets that say how
+long a run trains.
+
+A PPO *update* is one rollout of ``n_steps`` segments in each of ``n_envs`` episodes followed by ``n_epochs``
+passes of minibatch gradient steps over it; a run of ``timesteps`` makes ``ceil(timesteps / (n_steps * n_envs))``
+updates (SB3 finishes the last rollout, so it may step a little past ``timesteps``). The quick preset makes 32
+updates of 64 segments (4 episodes x 16), each 10 epochs of 2 minibatches of 32: 640 gradient steps, where the
+earlier default (n_steps 128 x 4 envs for 2,048 steps) made 4 updates. ``log_std_init=-1`` starts the Gaussian
+policy at a standard deviation of 0.37 around its mean; with the knob map centred on the base policy
+(``confkv.learned.KnobSpace``) an untrained agent is the base policy plus moderate exploration, not a uniform draw
+over the whole box.
+
+Learning curves: SB3's own logger (``rollout/ep_rew_mean``, ``train/approx_kl``, ``train/loss`` ... per update,
+at the timestep reached) goes to ``log_metrics``; every finished episode to ``on_episode``; and every
+``eval_every`` updates (and before the first and after the last) the deterministic policy, the one that is
+exported, is run once over every training episode by ``evaluate`` and its figures go to ``on_eval``.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.logger import KVWriter, Logger
 from stable_baselines3.common.vec_env import VecEnv
 
 ALGOS = ("ppo", "sac")
 
 
-class _EpisodeLogger(BaseCallback):
-    """Forwards each finished episode's summary (reward, resident fraction, KL, task) to ``on_episode``."""
+@dataclass(frozen=True)
+class Preset:
+    """How long and how a run trains; every field can be overridden on the command line."""
 
-    def __init__(self, on_episode: Callable[[int, dict[str, Any]], None]) -> None:
+    name: str
+    timesteps: int
+    n_envs: int
+    n_steps: int  # PPO: segments per episode slot per rollout
+    batch_size: int
+    n_epochs: int  # PPO: passes over each rollout
+    learning_rate: float = 3e-4
+    log_std_init: float = -1.0
+    eval_every: int = 8  # updates (PPO) or ``eval_every * n_steps * n_envs`` timesteps (SAC) between evaluations
+    learning_starts: int = 128  # SAC: random steps before the first gradient step
+
+
+PRESETS: dict[str, Preset] = {
+    # 32 updates of 64 segments; the mixed workload's 10 training episodes average about 11 segments (smollm2 sizes),
+    # so a run sees about 190 episodes
+    "quick": Preset("quick", timesteps=2048, n_envs=4, n_steps=16, batch_size=32, n_epochs=10),
+    # four times the quick run's experience in larger rollouts: 32 updates of 256 segments
+    "standard": Preset("standard", timesteps=8192, n_envs=8, n_steps=32, batch_size=64, n_epochs=10),
+}
+
+
+def schedule(algo: str, timesteps: int, n_envs: int, preset: Preset) -> dict[str, int]:
+    """How many updates (and gradient steps) a run of ``timesteps`` makes: what the run prints and logs."""
+    if algo == "ppo":
+        rollout = preset.n_steps * n_envs
+        updates = math.ceil(timesteps / rollout)
+        minibatches = math.ceil(rollout / preset.batch_size)
+        grads = updates * preset.n_epochs * minibatches
+        return {"updates": updates, "rollout_steps": rollout, "minibatches": minibatches, "gradient_steps": grads,
+                "timesteps_run": updates * rollout}  # fmt: skip
+    starts = min(preset.learning_starts, timesteps // 4)
+    steps = math.ceil(max(0, timesteps - starts) / n_envs)  # one gradient step per vectorised step
+    return {"updates": steps, "rollout_steps": n_envs, "minibatches": 1, "gradient_steps": steps,
+            "timesteps_run": math.ceil(timesteps / n_envs) * n_envs, "learning_starts": starts}  # fmt: skip
+
+
+def describe(algo: str, timesteps: int, n_envs: int, preset: Preset) -> str:
+    s = schedule(algo, timesteps, n_envs, preset)
+    if algo == "ppo":
+        return (f"ppo ({preset.name} preset): {timesteps} timesteps = {s['updates']} updates of {s['rollout_steps']} "
+                f"segments ({n_envs} episodes x {preset.n_steps}), each {preset.n_epochs} epochs x {s['minibatches']} "
+                f"minibatches of {preset.batch_size}: {s['gradient_steps']} gradient steps")  # fmt: skip
+    return (f"sac ({preset.name} preset): {timesteps} timesteps over {n_envs} episodes, {s['learning_starts']} "
+            f"random first, then one gradient step (batch {preset.batch_size}) per step: {s['gradient_steps']} "
+            "updates")  # fmt: skip
+
+
+class _MetricsOutput(KVWriter):
+    """SB3's logger as learning curves: every numeric value it records, at the timestep it dumps at."""
+
+    def __init__(self, sink: Callable[[dict[str, float], int], None]) -> None:
+        self.sink = sink
+
+    def write(self, key_values: dict[str, Any], key_excluded: dict[str, tuple[str, ...]], step: int = 0) -> None:
+        metrics = {
+            k: float(v)
+            for k, v in key_values.items()
+            if isinstance(v, (int, float, np.number))
+            and not isinstance(v, bool)
+            and "mlflow" not in (key_excluded.get(k) or ())
+        }
+        if metrics:
+            self.sink(metrics, step)
+
+    def close(self) -> None:
+        pass
+
+
+class _Progress(BaseCallback):
+    """Episodes to ``on_episode``; the deterministic policy's evaluation every ``eval_every`` updates to
+    ``on_eval`` (also before the first update and after the last)."""
+
+    def __init__(
+        self,
+        on_episode: Callable[[int, dict[str, Any]], None] | None,
+        evaluate: Callable[[Callable[[np.ndarray], Any]], dict[str, Any]] | None,
+        on_eval: Callable[[int, int, dict[str, Any]], None] | None,
+        eval_every: int,
+        rollouts_per_update: int = 1,
+    ) -> None:
         super().__init__()
         self.on_episode = on_episode
+        self.evaluate = evaluate
+        self.on_eval = on_eval
+        self.eval_every = max(1, eval_every)
+        self.rollouts_per_update = rollouts_per_update
+        self.rollouts = 0
         self.episodes = 0
+        self.last_eval = -1
+
+    def _act(self, obs: np.ndarray) -> Any:
+        return self.model.predict(obs, deterministic=True)[0]
+
+    def _eval(self) -> None:
+        updates = self.rollouts // self.rollouts_per_update
+        if self.evaluate is None or updates == self.last_eval:
+            return
+        self.last_eval = updates
+        metrics = self.evaluate(self._act)
+        if self.on_eval:
+            self.on_eval(self.num_timesteps, updates, metrics)
+
+    def _on_training_start(self) -> None:
+        self._eval()
+
+    def _on_rollout_start(self) -> None:
+        # a rollout starts after the previous one's update
+        if self.rollouts and (self.rollouts // self.rollouts_per_update) % self.eval_every == 0:
+            self._eval()
+
+    def _on_rollout_end(self) -> None:
+        self.rollouts += 1
 
     def _on_step(self) -> bool:
         for info in self.locals.get("infos", []):
             if "summary" in info:
                 self.episodes += 1
-                self.on_episode(self.num_timesteps, info["summary"])
+                if self.on_episode:
+                    self.on_episode(self.num_timesteps, info["summary"])
         return True
+
+    def _on_training_end(self) -> None:
+        self._eval()
 
 
 def train_sb3(
@@ -34,30 +167,47 @@ def train_sb3(
     env: VecEnv,
     timesteps: int,
     *,
+    preset: Preset | None = None,
     seed: int = 0,
     on_episode: Callable[[int, dict[str, Any]], None] | None = None,
+    log_metrics: Callable[[dict[str, float], int], None] | None = None,
+    evaluate: Callable[[Callable[[np.ndarray], Any]], dict[str, Any]] | None = None,
+    on_eval: Callable[[int, int, dict[str, Any]], None] | None = None,
     progress: bool = False,
     **hyper: Any,
 ) -> BaseAlgorithm:
-    """Train ``algo`` for ``timesteps`` environment steps (segments). Small networks: the observation is 14 numbers."""
-    policy_kwargs = {"net_arch": [64, 64]}
+    """Train ``algo`` for ``timesteps`` environment steps (segments) with ``preset``'s settings (default quick;
+    ``hyper`` passes anything else to the SB3 class). Small networks: the observation is 14 numbers."""
+    p = preset or PRESETS["quick"]
+    continuous = env.action_space.__class__.__name__ == "Box"
+    policy_kwargs: dict[str, Any] = {"net_arch": [64, 64]}
     if algo == "ppo":
-        n_steps = hyper.pop("n_steps", max(8, min(128, timesteps // max(1, env.num_envs) // 2)))
+        if continuous:
+            policy_kwargs["log_std_init"] = p.log_std_init
         model: BaseAlgorithm = PPO(
-            "MlpPolicy", env, n_steps=n_steps, batch_size=hyper.pop("batch_size", min(64, n_steps * env.num_envs)),
-            n_epochs=hyper.pop("n_epochs", 5), learning_rate=hyper.pop("learning_rate", 3e-4), seed=seed,
-            policy_kwargs=policy_kwargs, device="cpu", verbose=0, **hyper,
+            "MlpPolicy", env, n_steps=p.n_steps, batch_size=p.batch_size, n_epochs=p.n_epochs,
+            learning_rate=p.learning_rate, seed=seed, policy_kwargs=policy_kwargs, device="cpu", verbose=0, **hyper,
         )  # fmt: skip
+        per_update = 1
     elif algo == "sac":
-        if env.action_space.__class__.__name__ != "Box":
+        if not continuous:
             raise ValueError("SAC needs the continuous (knobs) action")
+        policy_kwargs["log_std_init"] = p.log_std_init
         model = SAC(
-            "MlpPolicy", env, learning_starts=hyper.pop("learning_starts", min(100, timesteps // 4)),
-            batch_size=hyper.pop("batch_size", 64), seed=seed, policy_kwargs=policy_kwargs, device="cpu",
-            verbose=0, **hyper,
+            "MlpPolicy", env, learning_starts=min(p.learning_starts, timesteps // 4), batch_size=p.batch_size,
+            learning_rate=p.learning_rate, seed=seed, policy_kwargs=policy_kwargs, device="cpu", verbose=0, **hyper,
         )  # fmt: skip
+        per_update = p.n_steps  # SAC collects one vectorised step per "rollout": evaluate every n_steps * eval_every
     else:
         raise ValueError(f"algo must be one of {ALGOS} (got {algo!r})")
-    callback = _EpisodeLogger(on_episode) if on_episode else None
-    model.learn(total_timesteps=timesteps, callback=callback, progress_bar=progress)
+    if log_metrics is not None:
+        model.set_logger(Logger(folder=None, output_formats=[_MetricsOutput(log_metrics)]))
+    callback = _Progress(on_episode, evaluate, on_eval, p.eval_every, per_update)
+    log_interval = 1 if algo == "ppo" else 4  # SAC: every 4 episodes
+    model.learn(total_timesteps=timesteps, callback=callback, progress_bar=progress, log_interval=log_interval)
     return model
+
+
+def preset_params(preset: Preset) -> dict[str, Any]:
+    """A preset as run parameters (``preset_*``)."""
+    return {f"preset_{k}": v for k, v in asdict(preset).items()}

@@ -9,24 +9,38 @@ policy behaves in ``confkv generate`` as it did in training. Observation, all in
  3-5  top-1 minus top-2 probability: mean, min, max
  6-8  top-1 probability: mean, min, max
  9    share of the segment's tokens that were uncertain under the base thresholds
- 10   budget: (B - base_size) / (max_size - base_size)
+ 10   budget: (B - lo) / (hi - lo), ``lo``/``hi`` the smallest ``base_size`` and largest ``max_size`` the agent can
+      set (for an agent that cannot set sizes, and for budget actions: the base policy's ``base_size``/``max_size``)
  11   resident fraction: resident keys / keys a full cache would hold
  12   position: tokens so far / ``POSITION_SCALE``, clipped
  13   device pool use
 
-Actions. ``knobs`` (a ``Box(-1, 1, (3,))``): the dynamic rule's ``entropy_threshold``, ``gap_threshold`` and
-``scaling_factor`` for the next segment, mapped linearly into ``KNOB_BOUNDS``. ``budget`` (``Discrete(3)``): set
-the budget directly: contract a fifth of the way to ``base_size``, hold, or expand a fifth of the way to
+Actions. ``knobs`` (a ``Box(-1, 1, (5,))``): the dynamic rule's ``entropy_threshold``, ``gap_threshold``,
+``scaling_factor``, ``base_size`` and ``max_size``, the space Optuna searches too (``KnobSpace``: bounds from the
+base policy, sizes in whole blocks, ``max_size`` never below ``base_size``). Each coordinate maps piecewise
+linearly: -1 to the knob's low bound, 0 to the base policy's value, +1 to its high bound, so an untrained agent
+(mean action near 0) starts as the base policy and explores around it. ``budget`` (``Discrete(3)``): set the
+budget directly: contract a fifth of the way to ``base_size``, hold, or expand a fifth of the way to
 ``max_size``; it then stays still for the segment.
 
-The exported artifact is a folder: ``policy.json`` (layer shapes and activations, action kind and bounds, the
-observation layout version) and ``policy.safetensors`` (weights), plus ``policy.yaml`` naming the controller,
-so ``confkv generate --policy-file FOLDER`` runs it with torch alone, no stable-baselines3.
+When a decision takes effect (the ``replay`` rule). A knobs decision made after segment ``k`` also moves the budget
+at once, to what the new knobs give when replayed over segment ``k``'s signals from the budget segment ``k`` started
+with; the engine applies it before segment ``k + 1`` is computed (expanding with a recall, or contracting), so the
+action governs the very segment it is rewarded for. With unchanged knobs the replay is exactly the budget the rule
+already reached, so a constant agent is the plain ``dynamic`` rule. A budget decision moves the budget at once too.
+
+The exported artifact is a folder: ``policy.json`` (layer shapes and activations, action kind, the knob space and
+the budget rule, the observation layout version) and ``policy.safetensors`` (weights), plus ``policy.yaml`` naming
+the controller, so ``confkv generate --policy-file FOLDER`` runs it with torch alone, no stable-baselines3.
+Exports of format 1 (three knobs, linear mapping, no replay: the knobs governed the segment after next) still
+load and run as they were trained; a format newer than this code knows is refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,31 +56,188 @@ OBS_VERSION = 1
 OBS_DIM = 14
 ENTROPY_SCALE = 12.0
 POSITION_SCALE = 8192.0
-KNOB_NAMES = ("entropy_threshold", "gap_threshold", "scaling_factor")
-KNOB_BOUNDS: dict[str, tuple[float, float]] = {
+#: policy.json format: 1 = three threshold knobs, linear mapping, lagged; 2 = ``KnobSpace`` + ``budget_rule``.
+FORMAT_VERSION = 2
+KNOB_NAMES = ("entropy_threshold", "gap_threshold", "scaling_factor", "base_size", "max_size")
+THRESHOLD_NAMES = KNOB_NAMES[:3]
+SIZE_NAMES = KNOB_NAMES[3:]
+#: Bounds of the threshold knobs (sizes take theirs from the base policy: ``KnobSpace.for_policy``). The entropy
+#: range reaches 8 nats so that a calibrated threshold of a small model (``confkv calibrate``) lies well inside.
+THRESHOLD_BOUNDS: dict[str, tuple[float, float]] = {
+    "entropy_threshold": (0.25, 8.0),
+    "gap_threshold": (0.0, 0.5),
+    "scaling_factor": (0.5, 1.0),
+}
+#: What format-1 exports were trained with (read when their policy.json lacks ``knob_bounds``).
+LEGACY_KNOB_BOUNDS: dict[str, tuple[float, float]] = {
     "entropy_threshold": (0.5, 6.0),
     "gap_threshold": (0.0, 0.5),
     "scaling_factor": (0.5, 1.0),
 }
+#: Kept for callers of format 1's name.
+KNOB_BOUNDS = LEGACY_KNOB_BOUNDS
 BUDGET_STEP = 0.2
+BUDGET_RULES = ("replay", "lagged")
 
 
-def knobs_from_action(action: Any) -> dict[str, float]:
-    a = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
-    return {
-        k: lo + (float(x) + 1.0) / 2.0 * (hi - lo)
-        for k, x, (lo, hi) in zip(KNOB_NAMES, a, KNOB_BOUNDS.values(), strict=True)
-    }
+# ------------------------------------------------------------------------------------------------ the knob space
+def size_bounds(base: CachePolicy) -> dict[str, tuple[int, int]]:
+    """``base_size`` from half to twice the base's; ``max_size`` from what the protected window needs (sinks plus
+    ``min_recent``, so every point keeps the base's ``min_recent``) to twice the base's; all in whole blocks."""
+    bs = base.block_size
+    up = lambda v: int(math.ceil(v / bs) * bs)  # noqa: E731
+    b_lo = max(bs, up(base.base_size / 2))
+    b_hi = max(b_lo, 2 * base.base_size)
+    m_lo = max(b_lo, up(base.min_recent + base.sink_tokens))
+    m_hi = max(m_lo, 2 * base.max_size)
+    return {"base_size": (b_lo, b_hi), "max_size": (m_lo, m_hi)}
 
 
-def action_from_knobs(knobs: dict[str, float]) -> np.ndarray:
-    return np.array([2.0 * (knobs[k] - lo) / (hi - lo) - 1.0 for k, (lo, hi) in KNOB_BOUNDS.items()], dtype=np.float32)
+@dataclass(frozen=True)
+class KnobSpace:
+    """The knobs an agent sets (and Optuna searches), their bounds and the value an action of 0 maps to.
+
+    ``centre`` None is format 1's linear map (-1 -> low, +1 -> high); otherwise the map is piecewise linear through
+    the centre. Size knobs are rounded to whole blocks, and ``max_size`` is never below ``base_size``.
+    """
+
+    names: tuple[str, ...]
+    low: tuple[float, ...]
+    high: tuple[float, ...]
+    centre: tuple[float, ...] | None = None
+    block_size: int = 16
+
+    @classmethod
+    def for_policy(cls, base: CachePolicy, sizes: bool = True) -> KnobSpace:
+        """The space around ``base``: the three thresholds, plus ``base_size`` and ``max_size`` when ``sizes``."""
+        bounds: dict[str, tuple[float, float]] = dict(THRESHOLD_BOUNDS)
+        if sizes:
+            bounds.update(size_bounds(base))
+        names = tuple(bounds)
+        low = tuple(float(bounds[n][0]) for n in names)
+        high = tuple(float(bounds[n][1]) for n in names)
+        centre = tuple(min(h, max(lo, float(getattr(base, n)))) for n, lo, h in zip(names, low, high, strict=True))
+        return cls(names, low, high, centre, base.block_size)
+
+    @property
+    def dim(self) -> int:
+        return len(self.names)
+
+    def bounds(self) -> dict[str, tuple[float, float]]:
+        return {n: (lo, hi) for n, lo, hi in zip(self.names, self.low, self.high, strict=True)}
+
+    def budget_range(self, policy: CachePolicy) -> tuple[float, float]:
+        """What observation 10 normalises the budget over: the widest sizes this space can set."""
+        b = self.bounds()
+        lo = b["base_size"][0] if "base_size" in b else policy.base_size
+        hi = b["max_size"][1] if "max_size" in b else policy.max_size
+        return float(lo), float(hi)
+
+    def knobs(self, action: Any) -> dict[str, float]:
+        """The knob values of an action in ``[-1, 1]^dim`` (clipped)."""
+        a = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
+        if a.size != self.dim:
+            raise ConfkvError(f"a knobs action has {self.dim} values (got {a.size})")
+        centre = self.centre or (None,) * self.dim
+        out: dict[str, float] = {}
+        for name, x, lo, hi, c in zip(self.names, a.tolist(), self.low, self.high, centre, strict=True):
+            if c is None:
+                v = lo + (x + 1.0) / 2.0 * (hi - lo)
+            elif x < 0:
+                v = c + x * (c - lo)
+            else:
+                v = c + x * (hi - c)
+            if name in SIZE_NAMES:
+                bs = self.block_size
+                v = min(hi, max(lo, round(v / bs) * bs))
+            out[name] = v
+        if "base_size" in out and "max_size" in out:
+            out["base_size"] = int(out["base_size"])
+            out["max_size"] = int(max(out["max_size"], out["base_size"]))
+        return out
+
+    def action(self, knobs: dict[str, float]) -> np.ndarray:
+        """The action that maps to ``knobs`` (the inverse of ``knobs``, up to block rounding)."""
+        centre = self.centre or (None,) * self.dim
+        out = []
+        for name, lo, hi, c in zip(self.names, self.low, self.high, centre, strict=True):
+            v = float(knobs[name])
+            if c is None:
+                x = 2.0 * (v - lo) / (hi - lo) - 1.0 if hi > lo else 0.0
+            elif v < c:
+                x = (v - c) / (c - lo) if c > lo else 0.0
+            else:
+                x = (v - c) / (hi - c) if hi > c else 0.0
+            out.append(min(1.0, max(-1.0, x)))
+        return np.array(out, dtype=np.float32)
+
+    def to_json(self) -> dict[str, Any]:
+        centre = None if self.centre is None else list(self.centre)
+        return {"names": list(self.names), "low": list(self.low), "high": list(self.high), "centre": centre,
+                "block_size": self.block_size}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> KnobSpace:
+        names = tuple(doc["names"])
+        unknown = sorted(set(names) - set(KNOB_NAMES))
+        if unknown or not names:
+            raise ConfkvError(f"unknown knob(s) {unknown} in the exported policy")
+        centre = doc.get("centre")
+        return cls(names, tuple(map(float, doc["low"])), tuple(map(float, doc["high"])),
+                   None if centre is None else tuple(map(float, centre)), int(doc.get("block_size", 16)))  # fmt: skip
+
+
+def full_knobs(policy: CachePolicy, knobs: dict[str, float] | None = None) -> tuple[float, ...]:
+    """All five knobs (``KNOB_NAMES`` order): ``knobs`` where given, else ``policy``'s."""
+    knobs = knobs or {}
+    return tuple(float(knobs.get(n, getattr(policy, n))) for n in KNOB_NAMES)
+
+
+def legacy_space(bounds: dict[str, Any] | None = None) -> KnobSpace:
+    """Format 1's space: the three thresholds, mapped linearly over ``bounds`` (default ``LEGACY_KNOB_BOUNDS``)."""
+    b = {n: tuple((bounds or LEGACY_KNOB_BOUNDS)[n]) for n in THRESHOLD_NAMES}
+    return KnobSpace(THRESHOLD_NAMES, tuple(float(b[n][0]) for n in THRESHOLD_NAMES),
+                     tuple(float(b[n][1]) for n in THRESHOLD_NAMES))  # fmt: skip
+
+
+def knobs_from_action(action: Any, space: KnobSpace | None = None) -> dict[str, float]:
+    """The knobs of an action in ``space`` (default: format 1's three thresholds)."""
+    return (space or legacy_space()).knobs(action)
+
+
+def action_from_knobs(knobs: dict[str, float], space: KnobSpace | None = None) -> np.ndarray:
+    return (space or legacy_space()).action(knobs)
+
+
+def dynamic_update(budget: float, s: StepSignals, knobs: Sequence[float]) -> tuple[float, bool]:
+    """One step of the dynamic rule under ``knobs`` (``KNOB_NAMES`` order), with the very arithmetic of
+    ``DynamicController.update``, so a replay here equals what the engine's controller computed."""
+    ent_t, gap_t, scaling, base_size, max_size = knobs
+    rate = 1.0 - scaling
+    uncertain = s.entropy > ent_t or s.gap < gap_t
+    budget = budget + rate * (max_size - budget) if uncertain else budget - rate * (budget - base_size)
+    return min(float(max_size), max(float(base_size), budget)), uncertain
+
+
+def replay_budget(start: float, signals: Iterable[StepSignals], knobs: Sequence[float]) -> float:
+    """The budget ``knobs`` reach over ``signals`` from ``start`` (clamped to their sizes first): the replay rule."""
+    budget = min(float(knobs[4]), max(float(knobs[3]), start))
+    for s in signals:
+        budget, _ = dynamic_update(budget, s, knobs)
+    return budget
 
 
 def segment_observation(
-    signals: list[StepSignals], budget: float, policy: CachePolicy, uncertain: int | None = None
+    signals: list[StepSignals],
+    budget: float,
+    policy: CachePolicy,
+    uncertain: int | None = None,
+    budget_range: tuple[float, float] | None = None,
 ) -> np.ndarray:
-    """The observation after a segment; ``signals`` carry the context of the segment's last token."""
+    """The observation after a segment; ``signals`` carry the context of the segment's last token.
+
+    ``budget_range`` is what the budget is normalised over (default: ``policy``'s ``base_size``/``max_size``).
+    """
     if not signals:
         return np.zeros(OBS_DIM, dtype=np.float32)
     ent = np.array([s.entropy for s in signals]) / ENTROPY_SCALE
@@ -75,13 +246,14 @@ def segment_observation(
     if uncertain is None:
         uncertain = sum(s.entropy > policy.entropy_threshold or s.gap < policy.gap_threshold for s in signals)
     last = signals[-1]
-    span = max(1, policy.max_size - policy.base_size)
+    lo, hi = budget_range or (float(policy.base_size), float(policy.max_size))
+    span = max(1.0, hi - lo)
     obs = [
         ent.mean(), ent.min(), ent.max(),
         gap.mean(), gap.min(), gap.max(),
         top1.mean(), top1.min(), top1.max(),
         uncertain / len(signals),
-        (budget - policy.base_size) / span,
+        (budget - lo) / span,
         last.resident / max(1, last.position),
         last.position / POSITION_SCALE,
         last.pool_usage,
@@ -92,11 +264,27 @@ def segment_observation(
 # ------------------------------------------------------------------------------------------------ the artifact
 @dataclass
 class MLPPolicy:
-    """A deterministic MLP policy: linear layers with activations, then the action head."""
+    """A deterministic MLP policy: linear layers with activations, then the action head.
+
+    ``space`` is the knob space of a knobs policy (None: the one ``KnobSpace.for_policy`` gives the base policy
+    for the network's output width: 5 knobs, or the 3 thresholds); ``budget_rule`` when its decisions take effect.
+    """
 
     layers: list[tuple[torch.Tensor, torch.Tensor, str]]
     action: str  # "knobs" or "budget"
     meta: dict[str, Any] = field(default_factory=dict)
+    space: KnobSpace | None = None
+    budget_rule: str = "replay"
+
+    @property
+    def out_dim(self) -> int:
+        return int(self.layers[-1][0].shape[0])
+
+    def resolved_space(self, policy: CachePolicy) -> KnobSpace:
+        """The knob space this network's actions live in, around ``policy`` when the network does not carry one."""
+        if self.space is not None:
+            return self.space
+        return KnobSpace.for_policy(policy, sizes=self.out_dim == len(KNOB_NAMES))
 
     def act(self, obs: np.ndarray) -> np.ndarray | int:
         x = torch.as_tensor(obs, dtype=torch.float32)[None]
@@ -127,17 +315,23 @@ class MLPPolicy:
             spec.append({"weight": f"layer{i}.weight", "bias": f"layer{i}.bias", "activation": act,
                          "shape": list(w.shape)})  # fmt: skip
         save_file(tensors, str(folder / "policy.safetensors"))
-        doc = {
+        doc: dict[str, Any] = {
             "format": "confkv-learned-policy",
+            "format_version": FORMAT_VERSION,
             "obs_version": OBS_VERSION,
             "obs_dim": OBS_DIM,
             "action": self.action,
-            "knob_bounds": KNOB_BOUNDS,
+            "budget_rule": self.budget_rule,
             "budget_step": BUDGET_STEP,
             "layers": spec,
-            **self.meta,
-            **(extra or {}),
         }
+        if self.action == "knobs":
+            space = self.resolved_space(base_policy)
+            if space.dim != self.out_dim:
+                raise ConfkvError(f"the network sets {self.out_dim} knobs but its space has {space.dim}")
+            doc["knobs"] = space.to_json()
+            doc["knob_bounds"] = space.bounds()  # for readers of format 1
+        doc.update({**self.meta, **(extra or {})})
         (folder / "policy.json").write_text(json.dumps(doc, indent=2))
         policy = base_policy.replace(controller="learned", learned_path=".")
         import yaml
@@ -157,16 +351,38 @@ class MLPPolicy:
             raise ConfkvError(f"cannot load learned policy from {folder}: {err}") from None
         if doc.get("format") != "confkv-learned-policy" or doc.get("obs_version") != OBS_VERSION:
             raise ConfkvError(f"{folder} is not a confkv learned policy of observation version {OBS_VERSION}")
-        layers = [(tensors[s["weight"]], tensors[s["bias"]], s["activation"]) for s in doc["layers"]]
-        meta = {k: v for k, v in doc.items() if k in ("squash", "algo")}
-        return cls(layers=layers, action=doc["action"], meta=meta)
+        version = int(doc.get("format_version", 1))
+        if version > FORMAT_VERSION:
+            raise ConfkvError(f"{folder} is a learned policy of format {version}; this confkv reads formats up to "
+                              f"{FORMAT_VERSION} (upgrade confkv)")  # fmt: skip
+        try:
+            layers = [(tensors[s["weight"]], tensors[s["bias"]], s["activation"]) for s in doc["layers"]]
+            action = doc["action"]
+            if version == 1:  # three thresholds, linear map, the knobs governed the segment after next
+                space = legacy_space(doc.get("knob_bounds")) if action == "knobs" else None
+                rule = "lagged"
+            else:
+                space = KnobSpace.from_json(doc["knobs"]) if action == "knobs" else None
+                rule = doc.get("budget_rule", "replay")
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConfkvError(f"{folder}/policy.json is incomplete or malformed: {err!r}") from None
+        if action not in ("knobs", "budget") or rule not in BUDGET_RULES:
+            raise ConfkvError(f"{folder}: unknown action {action!r} or budget rule {rule!r}")
+        mlp = cls(layers=layers, action=action, meta={k: v for k, v in doc.items() if k in ("squash", "algo")},
+                  space=space, budget_rule=rule)  # fmt: skip
+        want = space.dim if space is not None else 3
+        if mlp.out_dim != want:
+            raise ConfkvError(f"{folder}: the network outputs {mlp.out_dim} values; its {action} action takes {want}")
+        return mlp
 
 
 # ------------------------------------------------------------------------------------------------ the controller
 @dataclass(frozen=True)
 class LearnedState(BudgetState):
-    knobs: tuple[float, float, float] = (3.5, 0.15, 0.8)
+    #: The knobs in force (``KNOB_NAMES`` order: thresholds, scaling, base_size, max_size).
+    knobs: tuple[float, ...] = (3.5, 0.15, 0.8, 1024.0, 4096.0)
     segment: tuple[StepSignals, ...] = ()
+    start: float = 0.0  # the budget the current segment started from (the replay rule's origin)
     hold: bool = False  # budget actions keep the budget still between decisions
 
 
@@ -179,7 +395,11 @@ def apply_budget_action(budget: float, action: int, policy: CachePolicy) -> floa
 
 
 class LearnedController(DynamicController):
-    """The dynamic rule with its knobs (or the budget itself) set by an exported policy every segment."""
+    """The dynamic rule with its knobs (or the budget itself) set by an exported policy every segment.
+
+    The policy's ``base_size``/``max_size`` are the base the agent was trained around: the starting budget and
+    knobs, and the most a prompt keeps while it is read; a decision may set other sizes within its knob space.
+    """
 
     name = "learned"
 
@@ -190,10 +410,19 @@ class LearnedController(DynamicController):
                 raise ConfkvError("the learned controller needs learned_path (an exported policy folder)")
             mlp = MLPPolicy.load(policy.learned_path)
         self.mlp = mlp
+        self.space = mlp.resolved_space(policy) if mlp.action == "knobs" else None
+        self.budget_range = (
+            self.space.budget_range(policy) if self.space is not None else (float(policy.base_size),
+                                                                            float(policy.max_size))
+        )  # fmt: skip
 
     def init_state(self) -> LearnedState:
         p = self.policy
-        return LearnedState(budget=float(p.base_size), knobs=(p.entropy_threshold, p.gap_threshold, p.scaling_factor))
+        return LearnedState(budget=float(p.base_size), knobs=full_knobs(p), start=float(p.base_size))
+
+    def adopt(self, state: BudgetState) -> LearnedState:
+        st = super().adopt(state)
+        return replace(st, start=st.budget)  # type: ignore[return-value]
 
     def derive(self, policy: CachePolicy) -> Controller:
         if policy.controller == "learned" and policy.learned_path == self.policy.learned_path:
@@ -202,27 +431,26 @@ class LearnedController(DynamicController):
 
     def update(self, state: BudgetState, s: StepSignals) -> LearnedState:
         st = state if isinstance(state, LearnedState) else self.init_state()
-        p = self.policy
-        ent_t, gap_t, scaling = st.knobs
-        uncertain = s.entropy > ent_t or s.gap < gap_t
-        budget = st.budget
-        if not st.hold:
-            rate = 1.0 - scaling
-            budget = budget + rate * (p.max_size - budget) if uncertain else budget - rate * (budget - p.base_size)
-        budget = min(float(p.max_size), max(float(p.base_size), budget))
+        if st.hold:
+            ent_t, gap_t, _, base_size, max_size = st.knobs
+            uncertain = s.entropy > ent_t or s.gap < gap_t
+            budget = min(float(max_size), max(float(base_size), st.budget))
+        else:
+            budget, uncertain = dynamic_update(st.budget, s, st.knobs)
         steps = st.steps + 1
-        segment = (*st.segment, s)
-        new = LearnedState(budget=budget, uncertain=uncertain, steps=steps, knobs=st.knobs, segment=segment,
-                           hold=st.hold)  # fmt: skip
-        if (steps - 1) % p.compact_interval == 0:
+        new = replace(st, budget=budget, uncertain=uncertain, steps=steps, segment=(*st.segment, s))
+        if (steps - 1) % self.policy.compact_interval == 0:
             new = self.decide(new)
         return new
 
     def decide(self, st: LearnedState) -> LearnedState:
-        obs = segment_observation(list(st.segment), st.budget, self.policy)
+        obs = segment_observation(list(st.segment), st.budget, self.policy, budget_range=self.budget_range)
         action = self.mlp.act(obs)
         if self.mlp.action == "budget":
             budget = apply_budget_action(st.budget, int(action), self.policy)
-            return replace(st, budget=budget, segment=(), hold=True)
-        k = knobs_from_action(action)
-        return replace(st, knobs=tuple(k[n] for n in KNOB_NAMES), segment=(), hold=False)
+            return replace(st, budget=budget, start=budget, segment=(), hold=True)
+        assert self.space is not None
+        knobs = full_knobs(self.policy, self.space.knobs(action))
+        replay = self.mlp.budget_rule == "replay" and knobs != st.knobs  # unchanged knobs replay to st.budget
+        budget = replay_budget(st.start, st.segment, knobs) if replay else st.budget
+        return replace(st, knobs=knobs, budget=budget, start=budget, segment=(), hold=False)

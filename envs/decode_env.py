@@ -1,10 +1,12 @@
 """The environment in free-decoding mode: the engine generates, the agent steers, the full cache's answer judges.
 
 An episode is a generation item (a long answer, a chat reply or a pass-key answer) decoded greedily by the engine;
-a step applies the agent's action to the sequence's controller and runs ``compact_interval`` decode steps. Without
-a fixed token sequence there is no per-token KL to the full cache, so quality loss is divergence: the share of the
-segment's tokens generated after the output first departed from the full cache's own greedy answer (for a pass
-key, from the true key). Reward:
+a step applies the agent's action to the sequence's controller, moves its applied budget at once (the replay rule of
+``envs.env``) and runs ``compact_interval`` decode steps. The prompt is read before the first decision here (a
+pass-key episode is its answer only; the teacher-forced environment is where the agent acts during the haystack).
+Without a fixed token sequence there is no per-token KL to the full cache, so quality loss is divergence: the share
+of the segment's tokens generated after the output first departed from the full cache's own greedy answer (for a
+pass key, from the true key). Reward:
 
     memory_weight * (1 - resident fraction) - quality_weight * divergence   (+ task_weight for a correct key)
 
@@ -20,27 +22,21 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from confkv.controllers import DynamicController, StepSignals
+from confkv.controllers import BudgetState, StepSignals
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import Sequence
 from confkv.learned import segment_observation
-from envs.env import RewardWeights, action_space, apply_action, observation_space
+from envs.env import (
+    ReadController,
+    RewardWeights,
+    action_space,
+    after_read,
+    budget_range,
+    decide,
+    knob_space,
+    observation_space,
+)
 from envs.episodes import Episode, TuneData
-
-
-class _Steered:
-    """Adapts a live sequence to ``apply_action`` (which sets ``controller`` and may set the budget)."""
-
-    def __init__(self, seq: Sequence) -> None:
-        self.seq = seq
-
-    @property
-    def controller(self) -> Any:
-        return self.seq.controller
-
-    @controller.setter
-    def controller(self, value: Any) -> None:
-        self.seq.controller = value
 
 
 class ConfKVDecodeEnv(gym.Env):
@@ -51,8 +47,10 @@ class ConfKVDecodeEnv(gym.Env):
         self.data = data
         self.kind = action
         self.weights = weights or RewardWeights()
+        self.space = knob_space(data.base_policy)
+        self.budget_range = budget_range(action, data.base_policy, self.space)
         self.observation_space = observation_space()
-        self.action_space = action_space(action)
+        self.action_space = action_space(action, self.space)
         self.episodes = [ep for ep in data.episodes if ep.workload != "prose"]
         if not self.episodes:
             raise ValueError("free decoding needs generation episodes (longgen, chat or passkey)")
@@ -66,6 +64,8 @@ class ConfKVDecodeEnv(gym.Env):
         self._seen_div = 0
         self._diverged = False
         self._totals: dict[str, float] = {}
+        self._segment: list[StepSignals] = []  # the latest segment's signals (what the next decision replays)
+        self._start = 0.0  # the budget that segment started from
 
     # ------------------------------------------------------------------------------------------------- helpers
     def _seq(self) -> Sequence | None:
@@ -82,16 +82,19 @@ class ConfKVDecodeEnv(gym.Env):
                 return seq, True
         return seq, False
 
-    def _segment(self, seq: Sequence) -> list[StepSignals]:
+    def _segment_since(self, seq: Sequence) -> list[StepSignals]:
+        """The signals of the tokens generated since the last decision; kept for the next decision's replay."""
         tr, start = seq.trace, self._seen
         n0 = seq.num_prompt_tokens
-        return [
+        out = [
             StepSignals(tr.entropy[i], tr.gap[i], tr.top1_prob[i], tr.resident[i], n0 + i, self.engine.pool.usage)
             for i in range(start, len(tr.entropy))
         ]
+        self._segment = out
+        return out
 
     def _observe(self, seq: Sequence, segment: list[StepSignals]) -> np.ndarray:
-        return segment_observation(segment, seq.ctrl.budget, self.data.base_policy)
+        return segment_observation(segment, seq.ctrl.budget, self.data.base_policy, budget_range=self.budget_range)
 
     # --------------------------------------------------------------------------------------------------- gym api
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
@@ -103,19 +106,21 @@ class ConfKVDecodeEnv(gym.Env):
             i = int(self.np_random.integers(len(self.episodes)))
         ep = self._episode = self.episodes[i]
         item = ep.item
-        self._reference = item.token_ids[item.score_from :]
+        self._reference = item.token_ids[ep.prompt_len :]
         self._rid = f"env-{next(self._ids)}"
         params = SamplingParams(max_tokens=len(self._reference), ignore_eos=True)
-        self.engine.add_request(self._rid, item.token_ids[: item.score_from], params)
+        self.engine.add_request(self._rid, item.token_ids[: ep.prompt_len], params)
         seq = self._seq()
         assert seq is not None
-        seq.controller = DynamicController(self.data.base_policy)
+        seq.controller = reader = ReadController(self.data.base_policy, self.budget_range[1])
+        seq.ctrl = BudgetState(budget=reader.hold)
         self._seen = 0
         self._seen_div = 0
         self._diverged = False
         self._totals = {"reward": 0.0, "kv_fraction": 0.0, "divergence": 0.0, "steps": 0.0}
         seq, _ = self._run(1)
-        segment = self._segment(seq)
+        segment = self._segment_since(seq)
+        self._start = after_read(seq, self.data.base_policy, segment)
         self._seen = len(seq.trace.entropy)
         self._update_divergence(seq)
         return self._observe(seq, segment), {"episode_index": i, "item": ep.item_id}
@@ -137,9 +142,14 @@ class ConfKVDecodeEnv(gym.Env):
         seq = self._seq()
         if seq is None:
             raise RuntimeError("the episode has ended; call reset()")
-        applied = apply_action(_Steered(seq), action, self.data.base_policy, self.kind)  # type: ignore[arg-type]
+        d = decide(action, self.kind, self.data.base_policy, self.space, self._segment, self._start, seq.ctrl.budget,
+                   seq.controller.policy)  # fmt: skip
+        seq.controller = d.controller
+        self.engine.resize(seq.request_id, d.budget)
+        self._start = d.budget
+        applied = d.applied
         seq, done = self._run(self.data.base_policy.compact_interval)
-        segment = self._segment(seq)
+        segment = self._segment_since(seq)
         self._seen = len(seq.trace.entropy)
         flags = self._update_divergence(seq)
         fraction = float(np.mean([s.resident / max(1, s.position) for s in segment])) if segment else 1.0

@@ -1,12 +1,20 @@
 """A gymnasium environment over the engine: one episode is one workload item, one step one segment.
 
-A step applies the agent's action (the dynamic rule's knobs, or a direct budget change; see ``confkv.learned``)
-to the sequence's controller, scores the next ``compact_interval`` tokens teacher-forced (eviction and recall
-between segments as in decoding), and returns
+A step (1) turns the agent's action into a controller and a budget (``decide``: the dynamic rule's five knobs, or a
+direct budget change; see ``confkv.learned``), (2) moves the sequence's applied budget there at once
+(``LLMEngine.resize``: evicting, or recalling host blocks scored by the newest query), (3) scores the next
+``compact_interval`` tokens teacher-forced under that controller and returns
 
     reward = memory_weight * (1 - resident fraction of the segment) - quality_weight * (mean KL to full)
 
-plus, on the last step of a pass-key episode, ``task_weight`` if every key token was the policy's top-1 choice.
+plus, on the last step of a pass-key or multi-key episode, ``task_weight`` if every answer token was the policy's
+top-1 choice. So the segment a step is rewarded for is the one its action governed, the last action included.
+
+The budget a knobs action implies (the *replay rule*): the budget the new knobs reach when replayed over the latest
+segment's signals from the budget that segment started with. A constant action replays to exactly the budget the
+rule already reached, so the fixed rule run as an agent is the engine's own ``dynamic`` policy; an exported agent
+decides the same way inside the engine (``LearnedController``).
+
 ``ConfKVVecEnv`` runs N episodes as one engine batch (one forward pass per step for all of them) and is what
 stable-baselines3 trains on; ``ConfKVEnv`` is the single-episode form the checkers validate.
 """
@@ -23,8 +31,8 @@ from gymnasium import spaces
 from stable_baselines3.common.vec_env import VecEnv
 
 from confkv.config import CachePolicy
-from confkv.controllers import DynamicController, StepSignals
-from confkv.learned import OBS_DIM, apply_budget_action, knobs_from_action, segment_observation
+from confkv.controllers import BudgetState, DynamicController, StepSignals
+from confkv.learned import OBS_DIM, KnobSpace, apply_budget_action, full_knobs, replay_budget, segment_observation
 from confkv.scoring import ItemState, Scorer, ScoringSession
 from envs.episodes import Episode, TuneData
 
@@ -42,12 +50,22 @@ def observation_space() -> spaces.Box:
     return spaces.Box(0.0, 1.0, (OBS_DIM,), dtype=np.float32)
 
 
-def action_space(action: str) -> spaces.Space:
+def action_space(action: str, space: KnobSpace | None = None) -> spaces.Space:
+    """``knobs``: one coordinate in [-1, 1] per knob of ``space`` (default five); ``budget``: contract/hold/expand."""
     if action == "knobs":
-        return spaces.Box(-1.0, 1.0, (3,), dtype=np.float32)
+        return spaces.Box(-1.0, 1.0, (space.dim if space is not None else 5,), dtype=np.float32)
     if action == "budget":
         return spaces.Discrete(3)
     raise ValueError(f"action must be one of {ACTIONS} (got {action!r})")
+
+
+def knob_space(base: CachePolicy) -> KnobSpace:
+    """The space the agents act in: the same as Optuna's (``tuner.search``), around the base policy."""
+    return KnobSpace.for_policy(base)
+
+
+def budget_range(kind: str, base: CachePolicy, space: KnobSpace) -> tuple[float, float]:
+    return space.budget_range(base) if kind == "knobs" else (float(base.base_size), float(base.max_size))
 
 
 def segment_signals(st: ItemState, pool_usage: float) -> list[StepSignals]:
@@ -65,20 +83,75 @@ def segment_signals(st: ItemState, pool_usage: float) -> list[StepSignals]:
     ]
 
 
-def observe(st: ItemState, base: CachePolicy, pool_usage: float) -> np.ndarray:
-    return segment_observation(segment_signals(st, pool_usage), st.seq.ctrl.budget, base)
+def observe(
+    st: ItemState, base: CachePolicy, pool_usage: float, lo_hi: tuple[float, float] | None = None
+) -> np.ndarray:
+    return segment_observation(segment_signals(st, pool_usage), st.seq.ctrl.budget, base, budget_range=lo_hi)
 
 
-def apply_action(st: ItemState, action: Any, base: CachePolicy, kind: str) -> dict[str, float]:
-    """Set the item's controller for its next segment; returns the knobs (or budget) applied."""
+class ReadController(DynamicController):
+    """The base policy while an episode's context is read and its first token scored, except that the budget stays
+    at ``hold`` (the most any first decision can set), so the prompt is trimmed once, by the first decision's
+    ``resize``, to the budget the first action implies: what the engine does for an exported policy, whose first
+    decision comes with the first token. (Trimming to the rule's budget first and expanding after would need a
+    recall, and the prompt's last query is not kept when nothing was on the host yet.) A prompt longer than
+    ``max_size`` is still trimmed to it while it is read, as under the base policy."""
+
+    def __init__(self, policy: CachePolicy, hold: float | None = None) -> None:
+        super().__init__(policy)
+        self.hold = float(hold) if hold is not None else self.max_budget
+
+    def init_state(self) -> BudgetState:
+        return BudgetState(budget=self.hold)
+
+    def update(self, state: BudgetState, s: StepSignals) -> BudgetState:
+        return replace(state, uncertain=self.is_uncertain(s), steps=state.steps + 1)
+
+
+def after_read(seq: Any, base: CachePolicy, segment: list[StepSignals]) -> float:
+    """Give a sequence read under ``ReadController`` the budget the base rule reached over its first segment (what
+    a first decision that keeps the base knobs applies), without moving the applied budget; returns where the base
+    rule started (the first replay's origin)."""
+    start = float(base.base_size)
+    seq.ctrl = replace(seq.ctrl, budget=replay_budget(start, segment, full_knobs(base)))
+    return start
+
+
+@dataclass
+class Decision:
+    """What an action does to a sequence: the controller for its next segment and the budget applied at once."""
+
+    controller: DynamicController
+    budget: float
+    applied: dict[str, float]
+
+
+def decide(
+    action: Any, kind: str, base: CachePolicy, space: KnobSpace, segment: list[StepSignals], start: float,
+    current: float, in_force: CachePolicy | None = None,
+) -> Decision:  # fmt: skip
+    """The controller and budget an action implies, given the latest segment's signals, the budget that segment
+    started from (``start``), the controller's budget now (``current``) and the policy it ran under (``in_force``).
+
+    ``knobs``: the dynamic rule under the new knobs, at the budget they reach replayed over ``segment`` from
+    ``start`` (the replay rule); knobs equal to those in force keep ``current``, which is what the replay gives
+    (exactly, teacher-forced; in free decoding a recomputed step's recorded signals differ from the ones the rule
+    saw, and this keeps a constant agent equal to the engine's rule there too). ``budget``: the budget moved a fifth
+    of the way (or held), then kept still.
+    """
     if kind == "knobs":
-        knobs = knobs_from_action(action)
-        st.controller = DynamicController(base.replace(**knobs))
-        return knobs
-    budget = apply_budget_action(st.seq.ctrl.budget, int(np.asarray(action).reshape(-1)[0]), base)
-    st.controller = DynamicController(base.replace(scaling_factor=1.0))
-    st.seq.ctrl = replace(st.seq.ctrl, budget=budget)
-    return {"budget": budget}
+        knobs = space.knobs(action)
+        controller = DynamicController(base.replace(**knobs))
+        if in_force is not None and all(getattr(in_force, k) == v for k, v in knobs.items()):
+            return Decision(controller, current, {**knobs, "budget": current})
+        state = BudgetState(budget=controller.clamp(start))
+        for s in segment:
+            state = controller.update(state, s)
+        return Decision(controller, state.budget, {**knobs, "budget": state.budget})
+    if kind != "budget":
+        raise ValueError(f"action must be one of {ACTIONS} (got {kind!r})")
+    budget = apply_budget_action(current, int(np.asarray(action).reshape(-1)[0]), base)
+    return Decision(DynamicController(base.replace(scaling_factor=1.0)), budget, {"budget": budget})
 
 
 def reward_of(weights: RewardWeights, resident: torch.Tensor, full: torch.Tensor, kl: torch.Tensor | None) -> float:
@@ -110,17 +183,20 @@ class _Slots:
         self.data = data
         self.kind = kind
         self.weights = weights
+        self.space = knob_space(data.base_policy)
+        self.budget_range = budget_range(kind, data.base_policy, self.space)
         self.llm = data.llm(max_batch_size=max(n, 1))
         self.engine = self.llm.engine
         self.session: ScoringSession = Scorer(self.engine).session()
         self.index: list[int | None] = [None] * n
         self.episode: list[Episode | None] = [None] * n
         self.totals: list[dict[str, float]] = [{} for _ in range(n)]
+        self.start_budget: list[float] = [0.0] * n  # the budget each slot's current segment started from
 
     def start(self, slot: int, episode: Episode) -> np.ndarray:
         """Begin ``episode`` in ``slot``: read its prompt and first token alone; returns the first observation."""
         base = self.data.base_policy
-        idx = self.session.add(episode.item, DynamicController(base))
+        idx = self.session.add(episode.item, ReadController(base, self.budget_range[1]))
         self.index[slot], self.episode[slot] = idx, episode
         self.totals[slot] = {"reward": 0.0, "kv_fraction": 0.0, "kl": 0.0, "steps": 0.0}
         st = None
@@ -129,7 +205,8 @@ class _Slots:
             st = self.session.state(idx)
             if st is None:  # a one-token episode finished while being read
                 raise RuntimeError("episode too short to observe")
-        return observe(st, base, self.engine.pool.usage)
+        self.start_budget[slot] = after_read(st.seq, base, segment_signals(st, self.engine.pool.usage))
+        return observe(st, base, self.engine.pool.usage, self.budget_range)
 
     def advance(self, actions: list[Any]) -> list[tuple[np.ndarray, float, bool, dict[str, Any]]]:
         return self.advance_some(list(range(len(actions))), actions)
@@ -137,14 +214,21 @@ class _Slots:
     def advance_some(
         self, slots: list[int], actions: list[Any]
     ) -> list[tuple[np.ndarray, float, bool, dict[str, Any]]]:
-        """Apply each slot's action, score one more segment of those slots together, return what each saw."""
+        """Apply each slot's action (controller and budget, at once), score one more segment of those slots together
+        under it, return what each saw."""
         base = self.data.base_policy
         states = {slot: self.session.state(self.index[slot]) for slot in slots}  # type: ignore[arg-type]
         applied = {}
+        usage = self.engine.pool.usage
         for slot, action in zip(slots, actions, strict=True):
             st = states[slot]
             assert st is not None, "slot has no running episode"
-            applied[slot] = apply_action(st, action, base, self.kind)
+            d = decide(action, self.kind, base, self.space, segment_signals(st, usage), self.start_budget[slot],
+                       st.seq.ctrl.budget, st.controller.policy)  # fmt: skip
+            st.controller = d.controller
+            self.engine.resize(st.seq.request_id, d.budget)
+            self.start_budget[slot] = d.budget
+            applied[slot] = d.applied
         self.session.step(only={st.index for st in states.values() if st is not None})
         out = []
         usage = self.engine.pool.usage
@@ -169,7 +253,7 @@ class _Slots:
                     "kl": tot["kl"] / tot["steps"],
                     **({"task_correct": info["task_correct"]} if "task_correct" in info else {}),
                 }
-            out.append((observe(st, base, usage), reward, st.done, info))
+            out.append((observe(st, base, usage, self.budget_range), reward, st.done, info))
         return out
 
     def close(self) -> None:
@@ -185,7 +269,7 @@ class ConfKVEnv(gym.Env):
         super().__init__()
         self.data = data
         self.observation_space = observation_space()
-        self.action_space = action_space(action)
+        self.action_space = action_space(action, knob_space(data.base_policy))
         self._slots = _Slots(data, 1, action, weights or RewardWeights())
         self._live = False
 
@@ -220,7 +304,7 @@ class ConfKVVecEnv(VecEnv):
         self, data: TuneData, n_envs: int, action: str = "knobs", weights: RewardWeights | None = None, seed: int = 0
     ) -> None:
         self.render_mode = None
-        super().__init__(n_envs, observation_space(), action_space(action))
+        super().__init__(n_envs, observation_space(), action_space(action, knob_space(data.base_policy)))
         self.data = data
         self._slots = _Slots(data, n_envs, action, weights or RewardWeights())
         self._rng = np.random.default_rng(seed)

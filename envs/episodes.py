@@ -5,10 +5,12 @@ forward pass per segment and every policy sees exactly the same tokens:
 
 * ``prose``: documentation text, scored from its 64th token;
 * ``longgen`` and ``chat``: the prompt followed by the full cache's own greedy answer;
-* ``passkey``: the prompt followed by the true key; the episode's task is solved when every key token is the
-  policy's top-1 choice (what greedy decoding would have produced).
+* ``passkey`` and ``multikey`` (retrieval): the prompt followed by the true answer, scored from the prompt's 64th
+  token like prose, so the agent acts segment by segment while the haystack and the question are read, and before
+  the answer; the episode's task is solved when every answer token is the policy's top-1 choice (what greedy
+  decoding would have produced).
 
-The ``mixed`` workload holds all four. Items come from ``confkv.bench.workloads`` with their train/heldout split,
+The ``mixed`` workload holds all five. Items come from ``confkv.bench.workloads`` with their train/heldout split,
 and references from the on-disk store shared with ``confkv bench``.
 """
 
@@ -24,7 +26,8 @@ from confkv.engine.llm import LLM
 from confkv.model_loader import LoadedModel, load_model
 from confkv.scoring import ScoreItem
 
-TUNE_WORKLOADS = ("mixed", "prose", "longgen", "chat", "passkey")
+TUNE_WORKLOADS = ("mixed", "prose", "longgen", "chat", "passkey", "multikey")
+RETRIEVAL = ("passkey", "multikey")
 
 #: Item sizes per model size class; "tiny" is for tiny-random (tests, CI).
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
@@ -33,14 +36,17 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "longgen": {"n": 2, "max_tokens": 320},
         "chat": {"n": 2, "turns": 3, "max_tokens": 96},
         "passkey": {"n": 1, "lengths": (768,), "depths": (0.2, 0.6)},
+        "multikey": {"n": 1, "length": 768, "num_pairs": 4},
     },
     "tiny": {
         "prose": {"n": 2, "length": 200},
         "longgen": {"n": 1, "max_tokens": 48},
         "chat": {"n": 1, "turns": 2, "max_tokens": 24},
         "passkey": {"n": 1, "lengths": (240,), "depths": (0.5,)},
+        "multikey": {"n": 1, "length": 320, "num_pairs": 2},
     },
 }
+#: Tokens read as a prompt before scoring starts (prose and retrieval episodes): the first decision comes early.
 PROSE_CONTEXT = 64
 
 
@@ -49,7 +55,13 @@ class Episode:
     workload: str
     item_id: str
     item: ScoreItem  # with its full-cache reference
-    task: tuple[int, int] | None = None  # scored-token span that must be greedy-correct (pass-key answers)
+    task: tuple[int, int] | None = None  # scored-token span that must be greedy-correct (retrieval answers)
+    #: Tokens of ``item`` that are the request's prompt (what free decoding is given; the rest is the answer).
+    prompt_len: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_len:
+            self.prompt_len = self.item.score_from
 
 
 @dataclass
@@ -95,7 +107,7 @@ def build_episodes(
     loaded = loaded or load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
     engine = {"kv_cache_memory": kv_cache_memory} if kv_cache_memory is not None else {}
     sizes = sizes or SIZES["tiny" if model == "tiny-random" else "quick"]
-    names = ["prose", "longgen", "chat", "passkey"] if workload == "mixed" else [workload]
+    names = ["prose", "longgen", "chat", "passkey", "multikey"] if workload == "mixed" else [workload]
     full = LLM(model, "full", loaded=loaded, seed=seed, **engine)
     store = ReferenceStore(full)
     tok = loaded.tokenizer
@@ -104,19 +116,24 @@ def build_episodes(
         spec = dict(sizes[name])
         n = spec.pop("n")
         items = make_workload(name, tok, split=split, n=n, seed=seed, **spec)
+        prompt_lens: list[int] = [0] * len(items)
         if name == "prose":
             triples = [(list(it.prompt_ids), 0, min(PROSE_CONTEXT, len(it.prompt_ids) - 1)) for it in items]
             spans = [None] * len(items)
-        elif name == "passkey":
+        elif name in RETRIEVAL:
             triples, spans = [], []
-            for it in items:
+            for i, it in enumerate(items):
                 answer = list(tok(" " + str(it.answer), add_special_tokens=False)["input_ids"])
-                triples.append((list(it.prompt_ids) + answer, 0, len(it.prompt_ids)))
-                spans.append((0, len(answer)))
+                n = len(it.prompt_ids)
+                start = min(PROSE_CONTEXT, n)
+                triples.append((list(it.prompt_ids) + answer, 0, start))
+                spans.append((n - start, n - start + len(answer)))
+                prompt_lens[i] = n
         else:
             triples = [(list(it.prompt_ids), it.max_tokens, None) for it in items]
             spans = [None] * len(items)
         refs = build_references(full, triples, store)
-        for it, ref, span in zip(items, refs, spans, strict=True):
-            episodes.append(Episode(name, it.item_id, ScoreItem(ref.scored_ids, ref.score_from, ref.topk), span))
+        for it, ref, span, plen in zip(items, refs, spans, prompt_lens, strict=True):
+            item = ScoreItem(ref.scored_ids, ref.score_from, ref.topk)
+            episodes.append(Episode(name, it.item_id, item, span, plen))
     return TuneData(model, loaded, base_policy or default_base_policy(model), episodes, workload, split, engine)

@@ -30,15 +30,22 @@ def _segments(n: int, chunk: int) -> list[slice]:
     return out
 
 
+def task_accuracy(rows: list[dict[str, Any]], workload: str | None = None) -> float | None:
+    """Share of retrieval episodes (of ``workload``, or all) whose answer was the policy's greedy choice."""
+    done = [r["task_correct"] for r in rows if "task_correct" in r and workload in (None, r["workload"])]
+    return float(np.mean(done)) if done else None
+
+
 def _summarise(rows: list[dict[str, Any]], tokens: dict[str, float]) -> dict[str, Any]:
-    passkey = [r["task_correct"] for r in rows if "task_correct" in r]
     out: dict[str, Any] = {
         "episodes": len(rows),
         "reward": float(np.mean([r["reward"] for r in rows])),
         "kv_fraction": tokens["resident"] / tokens["full"],
         "kl_mean": tokens["kl"] / tokens["n"],
         "ppl": float(np.exp(tokens["prose_nll"] / tokens["prose_n"])) if tokens["prose_n"] else None,
-        "passkey_acc": float(np.mean(passkey)) if passkey else None,
+        "passkey_acc": task_accuracy(rows, "passkey"),
+        "multikey_acc": task_accuracy(rows, "multikey"),
+        "task_acc": task_accuracy(rows),
         "per_episode": rows,
     }
     return out

@@ -1,5 +1,6 @@
-"""The tuning system on tiny-random: environment checkers, rule agent == engine dynamic, PPO/Optuna/MLflow runs,
-export into the engine."""
+"""The tuning system on tiny-random: environment checkers, rule agent == engine dynamic, an action governs the
+segment it is rewarded for, multi-step retrieval episodes, one knob space for Optuna and the agents, PPO/Optuna/
+MLflow runs (presets, learning curves, seeded studies, eval/compare runs), export into the engine, old exports."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from gymnasium.utils.env_checker import check_env as gym_check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 from agents.rule import RuleAgent
 from confkv import LLM, SamplingParams
 from confkv.config import load_policy_file
+from confkv.errors import ConfkvError
+from confkv.learned import OBS_DIM, KnobSpace, MLPPolicy
 from envs.env import ConfKVEnv, ConfKVVecEnv, RewardWeights
 from envs.episodes import build_episodes
 from envs.evaluate import evaluate_agent, evaluate_policy
@@ -26,7 +30,7 @@ def data():
 
 def test_episodes_cover_the_mixed_workload(data):
     kinds = {ep.workload for ep in data.episodes}
-    assert kinds == {"prose", "longgen", "chat", "passkey"}
+    assert kinds == {"prose", "longgen", "chat", "passkey", "multikey"}
     assert all(ep.item.reference is not None for ep in data.episodes)
     heldout = build_episodes("tiny-random", workload="mixed", split="heldout", loaded=data.loaded)
     train_ids = {tuple(ep.item.token_ids) for ep in data.episodes}
@@ -50,7 +54,7 @@ def test_seeded_resets_are_reproducible(data):
         env.reset(seed=5)
         total, done = 0.0, False
         while not done:
-            _, r, done, _, info = env.step(np.zeros(3, dtype=np.float32))
+            _, r, done, _, info = env.step(np.zeros(5, dtype=np.float32))
             total += r
         rewards.append(total)
         assert info["summary"]["reward"] == pytest.approx(total)
@@ -79,7 +83,7 @@ def test_vec_env_steps_all_slots_in_one_batch(data):
     assert obs.shape == (3, 14)
     finished = 0
     for _ in range(40):
-        obs, rewards, dones, infos = env.step(np.zeros((3, 3), dtype=np.float32))
+        obs, rewards, dones, infos = env.step(np.zeros((3, 5), dtype=np.float32))
         finished += int(dones.sum())
         assert rewards.shape == (3,) and np.isfinite(rewards).all()
         for d, info in zip(dones, infos, strict=True):
@@ -93,10 +97,11 @@ def test_vec_env_steps_all_slots_in_one_batch(data):
 @pytest.mark.parametrize("algo", ["ppo", "optuna"])
 def test_train_logs_mlflow_and_exports_a_policy_confkv_runs(tmp_path, monkeypatch, capsys, algo):
     monkeypatch.chdir(tmp_path)
-    budget = ["--timesteps", "64", "--n-envs", "2"] if algo == "ppo" else ["--trials", "3"]
+    budget = ["--timesteps", "64", "--n-envs", "2", "--eval-every", "1"] if algo == "ppo" else ["--trials", "3"]
     code = tune_main(["train", "--algo", algo, "--model", "tiny-random", *budget, "--out", "run"])
     assert code == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
     policy_dir = tmp_path / "run" / "policy"
     policy = load_policy_file(policy_dir)
     assert policy.controller == ("learned" if algo == "ppo" else "dynamic")
@@ -104,12 +109,36 @@ def test_train_logs_mlflow_and_exports_a_policy_confkv_runs(tmp_path, monkeypatc
     import mlflow
 
     mlflow.set_tracking_uri("sqlite:///mlflow.db")
+    client = mlflow.MlflowClient()
     run = mlflow.get_run(summary["run_id"])
     assert run.data.params["algo"] == algo
+    assert run.data.tags["mlflow.source.git.commit"] == run.data.tags["confkv.git_commit"] != ""
+    assert run.data.params["space_max_size"] == "[32.0, 256.0]"  # the same space for both (tiny base: 32/128)
     key = "episode_reward" if algo == "ppo" else "trial_reward"
-    assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, key)) >= (1 if algo == "ppo" else 3)
-    names = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "policy")}
+    assert len(client.get_metric_history(run.info.run_id, key)) >= (1 if algo == "ppo" else 3)
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "policy")}
     assert "policy/policy.yaml" in names
+    if algo == "ppo":
+        # the schedule is printed and logged; learning curves per update and per evaluation
+        assert "64 timesteps = 2 updates of 32 segments" in captured.err
+        assert run.data.params["ppo_updates"] == "2" and run.data.params["ppo_gradient_steps"] == "20"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "rollout/ep_rew_mean")] == [32, 64]
+        evals = client.get_metric_history(run.info.run_id, "eval_reward")
+        assert [m.step for m in evals] == [0, 32, 64]
+        # before any update the agent is the base policy (the knob map is centred on it)
+        assert evals[0].value == pytest.approx(run.data.metrics["default_reward"], abs=0.05)
+    else:
+        import optuna
+
+        study = optuna.load_study(study_name=run.data.tags["confkv.optuna_study"],
+                                  storage=run.data.tags["confkv.optuna_storage"])  # fmt: skip
+        first = study.trials[0]
+        assert first.user_attrs["enqueued"] == "default"
+        assert first.params == {"base_size": 32, "max_size": 128, "entropy_threshold": 3.5, "gap_threshold": 0.15,
+                                "scaling_factor": 0.8}  # fmt: skip
+        best = study.best_trial
+        assert run.data.tags["confkv.best.max_size"] == str(best.params["max_size"])
+        assert float(run.data.tags["confkv.best_value"]) == pytest.approx(best.value)
 
     # the exported policy, taken back out of MLflow, generates in the engine without stable-baselines3 code
     assert tune_main(["export", summary["run_id"], "--out", "exported"]) == 0
@@ -117,17 +146,187 @@ def test_train_logs_mlflow_and_exports_a_policy_confkv_runs(tmp_path, monkeypatc
     llm = LLM("tiny-random", policy_file=exported)
     out = llm.generate("The exported policy runs here. " * 12, SamplingParams(max_tokens=60, ignore_eos=True))[0]
     assert len(out.token_ids) == 60
-    assert max(out.trace.resident[1:]) <= policy.max_size + 16
+    assert max(out.trace.resident[1:]) <= KnobSpace.for_policy(policy).budget_range(policy)[1] + 16
 
 
-def test_eval_and_errors(capsys):
-    assert tune_main(["eval", "default", "--model", "tiny-random", "--workload", "prose", "--split", "heldout"]) == 0
+def test_eval_and_compare_are_mlflow_runs_and_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # absolute: MLflow keeps one store per URI string per process
+    args = ["eval", "default", "--model", "tiny-random", "--workload", "prose", "--split", "heldout"]
+    assert tune_main([*args, "--tracking-uri", uri]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["controller"] == "dynamic" and 0 < doc["kv_fraction"] <= 1 and doc["ppl"] > 1
-    assert tune_main(["eval", "nonsense", "--model", "tiny-random"]) == 2
+    args = ["compare", "--model", "tiny-random", "--workload", "prose", "--policy", "again=default", "--out", "cmp"]
+    assert tune_main([*args, "--tracking-uri", uri]) == 0
+    capsys.readouterr()
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    runs = {r.data.tags["confkv.kind"]: r for r in mlflow.search_runs(experiment_names=["confkv-tune"],
+                                                                       output_format="list")}  # fmt: skip
+    assert set(runs) == {"eval", "compare"}
+    assert runs["eval"].data.metrics["kv_fraction"] == pytest.approx(doc["kv_fraction"])
+    assert runs["eval"].data.params["split"] == "heldout" and runs["eval"].data.tags["confkv.git_commit"]
+    assert runs["compare"].data.metrics["again.kv_fraction"] == pytest.approx(doc["kv_fraction"])
+    assert "window.kl_mean" in runs["compare"].data.metrics
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs["compare"].info.run_id)}
+    assert {"compare.md", "compare.json", "compare.png"} <= artifacts
+
+    assert tune_main(["eval", "nonsense", "--model", "tiny-random", "--no-mlflow"]) == 2
     assert "neither a file" in capsys.readouterr().err
+    assert tune_main(["eval", "calibrated", "--model", "tiny-random", "--no-mlflow"]) == 2
+    assert "confkv calibrate" in capsys.readouterr().err
     assert tune_main(["train", "--algo", "ppo", "--trials", "3", "--model", "tiny-random", "--out", "x"]) == 2
-    assert tune_main(["eval", "default", "--model", "tiny-random", "--workload", "poetry"]) == 2
+    assert tune_main(["train", "--algo", "ppo", "--scorer", "h2o,tova", "--model", "tiny-random", "--out", "x"]) == 2
+    assert "optuna only" in capsys.readouterr().err
+    assert tune_main(["eval", "default", "--model", "tiny-random", "--workload", "poetry", "--no-mlflow"]) == 2
+
+
+def test_ppo_presets_make_tens_of_updates():
+    from agents.sb3 import PRESETS, schedule
+    from tuner.cli import PRESET_NAMES
+
+    assert tuple(PRESETS) == PRESET_NAMES
+    quick = schedule("ppo", PRESETS["quick"].timesteps, PRESETS["quick"].n_envs, PRESETS["quick"])
+    assert quick == {"updates": 32, "rollout_steps": 64, "minibatches": 2, "gradient_steps": 640, "timesteps_run": 2048}
+    standard = PRESETS["standard"]
+    assert schedule("ppo", standard.timesteps, standard.n_envs, standard)["updates"] == 32
+
+
+# ------------------------------------------------------------------------------------ the action and its reward
+def _episode(data, workload: str) -> int:
+    return next(i for i, ep in enumerate(data.episodes) if ep.workload == workload)
+
+
+def _run(data, episode: int, actions: list, action: str = "budget") -> list[tuple[float, dict]]:
+    env = ConfKVEnv(data, action=action)
+    env.reset(options={"episode": episode})
+    out = []
+    for a in actions:
+        _, reward, done, _, info = env.step(a)
+        out.append((reward, info))
+        if done:
+            break
+    env.close()
+    return out
+
+
+def test_an_action_governs_the_segment_it_is_rewarded_for(data):
+    """Expanding at step t (from the same state: the same earlier actions) changes step t's own reward."""
+    i = _episode(data, "multikey")
+    hold = _run(data, i, [0, 0, 1])
+    expand = _run(data, i, [0, 0, 2])
+    assert [r for r, _ in hold[:2]] == [r for r, _ in expand[:2]]  # the same state before step t
+    (r_hold, i_hold), (r_expand, i_expand) = hold[2], expand[2]
+    assert i_expand["action"]["budget"] > i_hold["action"]["budget"]
+    assert i_expand["kv_fraction"] > i_hold["kv_fraction"] and r_expand != r_hold
+
+
+def test_the_last_action_matters(data):
+    i = _episode(data, "prose")
+    steps = len(_run(data, i, [1] * 100))
+    hold = _run(data, i, [0] * (steps - 1) + [1])
+    expand = _run(data, i, [0] * (steps - 1) + [2])
+    assert len(hold) == len(expand) == steps and "summary" in expand[-1][1]
+    assert expand[-1][1]["kv_fraction"] > hold[-1][1]["kv_fraction"]
+    assert expand[-1][1]["summary"]["reward"] != hold[-1][1]["summary"]["reward"]
+
+
+def test_knobs_move_the_budget_at_once_by_the_replay_rule(data):
+    i = _episode(data, "prose")
+    space = KnobSpace.for_policy(data.base_policy)
+    base = RuleAgent(data.base_policy)(None)
+    eager = space.action({**RuleAgent(data.base_policy).knobs, "entropy_threshold": 0.25, "gap_threshold": 0.5})
+    same = _run(data, i, [base, base], "knobs")
+    up = _run(data, i, [base, eager], "knobs")
+    assert same[0][0] == up[0][0]
+    # every token of the last segment was uncertain under the new knobs: replayed, the budget rises at once
+    assert up[1][1]["action"]["budget"] > same[1][1]["action"]["budget"]
+    assert up[1][1]["kv_fraction"] > same[1][1]["kv_fraction"]
+
+
+# ------------------------------------------------------------------------------------------- retrieval episodes
+@pytest.mark.parametrize("workload", ["passkey", "multikey"])
+def test_retrieval_episodes_span_several_steps_before_the_answer(data, workload):
+    i = _episode(data, workload)
+    ep = data.episodes[i]
+    item = ep.item
+    a, b = ep.task
+    # the haystack and the question are scored from an early position; the answer is the item's last tokens
+    assert item.score_from == 64 < ep.prompt_len == item.score_from + a and item.score_from + b == len(item.token_ids)
+    answer = data.loaded.tokenizer.decode(item.token_ids[ep.prompt_len :]).strip()
+    assert answer.isdigit()
+    steps = _run(data, i, [1] * 100)
+    # reset scores the first token alone; step k then scores tokens 50(k-1)+1 .. 50k: the answer's step, whose
+    # action governs the answer's segment, comes after several actions taken while the haystack was read
+    answer_step = -(-a // data.base_policy.compact_interval)
+    assert answer_step >= 5 and len(steps) == answer_step + (b - 1) // 50 - (a - 1) // 50
+    assert all("task_correct" not in info for _, info in steps[:-1]) and "task_correct" in steps[-1][1]
+
+
+def test_exported_policy_runs_in_the_engine_as_in_the_environment(data, tmp_path):
+    """A five-knob network decides inside the engine (``LearnedController``) as the environment applies it: same
+    budgets, so the same memory; the blocks kept may differ when a segment's own end-of-segment move and the
+    action's move go opposite ways (the engine goes straight to the new budget), so quality is close, not equal."""
+    g = torch.Generator().manual_seed(2)
+    layers = [(torch.randn(16, OBS_DIM, generator=g), torch.zeros(16), "tanh"),
+              (torch.randn(5, 16, generator=g), torch.randn(5, generator=g), "none")]  # fmt: skip
+    folder = MLPPolicy(layers, "knobs").save(tmp_path / "net", data.base_policy)
+    loaded = MLPPolicy.load(folder)
+    assert loaded.space == KnobSpace.for_policy(data.base_policy) and loaded.budget_rule == "replay"
+    by_env = evaluate_agent(data, loaded.act)
+    by_engine = evaluate_policy(data, load_policy_file(folder))
+    assert by_env["kv_fraction"] == pytest.approx(by_engine["kv_fraction"], rel=1e-6)
+    assert by_env["reward"] == pytest.approx(by_engine["reward"], rel=0.05)
+
+
+# --------------------------------------------------------------------------------------------- the knob space
+def test_one_knob_space_centred_on_the_base_policy(data):
+    from tuner.search import params_of, space_description
+
+    base = data.base_policy
+    space = KnobSpace.for_policy(base)
+    assert space.names == ("entropy_threshold", "gap_threshold", "scaling_factor", "base_size", "max_size")
+    assert space.bounds()["base_size"] == (16, 64) and space.bounds()["max_size"] == (32, 256)
+    assert space.knobs(np.zeros(5)) == {"entropy_threshold": 3.5, "gap_threshold": 0.15, "scaling_factor": 0.8,
+                                        "base_size": 32, "max_size": 128}  # fmt: skip
+    low, high = space.knobs(-np.ones(5)), space.knobs(np.ones(5))
+    assert (low["entropy_threshold"], high["entropy_threshold"]) == (0.25, 8.0)
+    assert (low["base_size"], low["max_size"], high["base_size"], high["max_size"]) == (16, 32, 64, 256)
+    odd = space.knobs(np.array([0, 0, 0, 1.0, -1.0]))  # max_size never below base_size, sizes in whole blocks
+    assert odd["max_size"] == odd["base_size"] == 64
+    assert all(space.knobs(np.random.default_rng(s).uniform(-1, 1, 5))["max_size"] % 16 == 0 for s in range(20))
+    assert np.allclose(space.action(space.knobs(np.array([0.3, -0.5, 0.9, 0.0, 0.0]))), [0.3, -0.5, 0.9, 0, 0])
+    # Optuna searches the same bounds and starts from the base policy
+    described = space_description(base)
+    assert {k.removeprefix("space_"): tuple(v) for k, v in described.items() if k != "space_scorer"} == space.bounds()
+    assert params_of(base, base) == {"entropy_threshold": 3.5, "gap_threshold": 0.15, "scaling_factor": 0.8,
+                                     "base_size": 32, "max_size": 128}  # fmt: skip
+
+
+def test_format_1_exports_still_load_and_newer_ones_are_refused(data, tmp_path):
+    """A policy exported before the five-knob space (three thresholds, linear map, no replay) runs as trained."""
+    import json as _json
+
+    g = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(8, OBS_DIM, generator=g) * 0.3, torch.zeros(8), "tanh"),
+              (torch.randn(3, 8, generator=g) * 0.3, torch.zeros(3), "none")]  # fmt: skip
+    folder = MLPPolicy(layers, "knobs").save(tmp_path / "old", data.base_policy)
+    doc = _json.loads((folder / "policy.json").read_text())
+    for key in ("format_version", "knobs", "budget_rule"):
+        doc.pop(key)
+    doc["knob_bounds"] = {"entropy_threshold": [0.5, 6.0], "gap_threshold": [0.0, 0.5], "scaling_factor": [0.5, 1.0]}
+    (folder / "policy.json").write_text(_json.dumps(doc))
+    old = MLPPolicy.load(folder)
+    assert old.budget_rule == "lagged" and old.space.names == ("entropy_threshold", "gap_threshold", "scaling_factor")
+    assert old.space.centre is None and old.space.knobs(np.zeros(3))["entropy_threshold"] == pytest.approx(3.25)
+    out = LLM("tiny-random", policy_file=folder).generate([5] * 120, SamplingParams(max_tokens=70, ignore_eos=True))
+    assert len(out[0].token_ids) == 70
+
+    doc["format_version"] = 99
+    (folder / "policy.json").write_text(_json.dumps(doc))
+    with pytest.raises(ConfkvError, match="format 99"):
+        MLPPolicy.load(folder)
 
 
 def test_decode_environment_checks_and_matches_the_engine(data):
@@ -144,8 +343,8 @@ def test_decode_environment_checks_and_matches_the_engine(data):
             obs, _, done, _, info = env.step(agent(obs))
         # the rule agent steering the engine generates exactly what the engine's own dynamic policy generates
         llm = data.llm()
-        prompt = ep.item.token_ids[: ep.item.score_from]
-        n = len(ep.item.token_ids) - ep.item.score_from
+        prompt = ep.item.token_ids[: ep.prompt_len]  # a retrieval episode decodes its answer only
+        n = len(ep.item.token_ids) - ep.prompt_len
         expected = llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
         assert info["summary"]["output_token_ids"] == expected
         assert 0.0 <= info["summary"]["divergence"] <= 1.0

@@ -1,6 +1,7 @@
 """``confkv-tune``: learn the CONF-KV policy, evaluate it on held-out items, compare, register, promote, export.
 
-    confkv-tune train --algo {ppo,sac,optuna} --model M [--workload mixed] (--timesteps N | --trials N) --out DIR
+    confkv-tune train --algo {ppo,sac,optuna} --model M [--workload mixed] [--preset quick|standard]
+                      [--timesteps N | --trials N] [--scorer NAME[,NAME...]] --out DIR
                       [--register-as NAME | --no-register]
     confkv-tune eval POLICY --workload NAME --split heldout
     confkv-tune compare --policy optuna=DIR/policy.yaml --policy ppo=DIR2/policy --out DIR3
@@ -11,9 +12,12 @@
     confkv-tune export NAME@ALIAS|NAME@VERSION|RUN_ID --out PATH
 
 POLICY is a YAML policy file, an exported policy folder, a ``registry://NAME@ALIAS`` reference, a built-in policy
-name, or ``default`` (the requirement's dynamic rule, sized for the episodes). ``train`` registers its result as
-a new version (no alias) in the policy registry (``store``; see ``tuner.registry_cli``). ``export`` reads the
-registry when its argument has an ``@`` (or is ``registry://...``), and an MLflow run's exported policy otherwise.
+name, ``default`` (the requirement's dynamic rule, sized for the episodes) or ``calibrated`` (that rule with the
+model's calibrated thresholds, ``confkv calibrate``). ``train``, ``eval`` and ``compare`` are each an MLflow run of
+the experiment ``confkv-tune`` (``--no-mlflow`` for eval/compare), tagged with the git commit. ``train`` registers
+its result as a new version (no alias) in the policy registry (``store``; see ``tuner.registry_cli``). ``export``
+reads the registry when its argument has an ``@`` (or is ``registry://...``), and an MLflow run's exported policy
+otherwise.
 User errors print one line on stderr and exit with 2; the registry's refusals (a missing version, a promotion
 the gate refuses) exit with 1.
 """
@@ -32,6 +36,10 @@ from typing import Any
 from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
 from confkv.errors import ConfkvError
 
+#: ``agents.sb3.PRESETS``' names (not imported here: the parser must not load stable-baselines3).
+PRESET_NAMES = ("quick", "standard")
+DEFAULT_TRIALS = 24
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("CONFKV_MODEL", "smollm2-135m"))
@@ -46,6 +54,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-weight", type=float, default=1.0)
 
 
+def _tracking(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///mlflow.db)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not record this as an MLflow run")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="confkv-tune", description="Learn and evaluate CONF-KV cache policies.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,11 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train an RL agent or run an Optuna search, tracked in MLflow")
     _common(train)
     train.add_argument("--algo", choices=["ppo", "sac", "optuna"], required=True)
-    budget = train.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--timesteps", type=int, help="environment steps (segments) for ppo/sac")
-    budget.add_argument("--trials", type=int, help="trials for optuna")
+    budget = train.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--timesteps", type=int, help="environment steps (segments) for ppo/sac (default: the preset's)"
+    )
+    budget.add_argument("--trials", type=int, help=f"trials for optuna (default {DEFAULT_TRIALS})")
+    train.add_argument(
+        "--preset", choices=PRESET_NAMES, default="quick",
+        help="ppo/sac schedule: quick (2048 timesteps, 4 envs x 16 steps per update: 32 updates) or standard "
+        "(8192, 8 x 32: 32 updates); the run prints and logs how many updates it makes",
+    )  # fmt: skip
     train.add_argument("--action", choices=["knobs", "budget"], default="knobs", help="what the agent sets")
-    train.add_argument("--n-envs", type=int, default=4, help="episodes per engine batch (teacher mode)")
+    train.add_argument("--n-envs", type=int, default=None, help="episodes per engine batch (default: the preset's)")
+    train.add_argument("--n-steps", type=int, default=None, help="ppo: segments per episode slot per update")
+    train.add_argument("--batch-size", type=int, default=None, help="minibatch size")
+    train.add_argument("--n-epochs", type=int, default=None, help="ppo: passes over each rollout")
+    train.add_argument("--learning-rate", type=float, default=None)
+    train.add_argument("--eval-every", type=int, default=None, help="updates between evaluations of the "
+                       "deterministic policy on every training episode (0: only before and after)")  # fmt: skip
+    train.add_argument(
+        "--scorer", default=None,
+        help="block scorer of the tuned policy (h2o, snapkv, tova, knorm, recency; default the base policy's, h2o); "
+        "optuna also takes a comma-separated list and searches it",
+    )  # fmt: skip
     train.add_argument(
         "--mode", choices=["teacher", "decode"], default="teacher",
         help="episodes scored teacher-forced (fast, KL reward) or decoded freely (divergence reward)",
@@ -82,12 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     _common(ev)
     ev.add_argument("--split", choices=["train", "heldout"], default="heldout")
     ev.add_argument("--json", action="store_true")
+    _tracking(ev)
 
     cmp_ = sub.add_parser("compare", help="default rule vs learned policies vs fixed baselines on held-out items")
     _common(cmp_)
     cmp_.add_argument("--policy", action="append", default=[], metavar="NAME=PATH", help="a policy to include")
     cmp_.add_argument("--split", choices=["train", "heldout"], default="heldout")
     cmp_.add_argument("--out", required=True)
+    _tracking(cmp_)
 
     ex = sub.add_parser("export", help="write a registered version (NAME@ALIAS, NAME@VERSION) or an MLflow run's "
                         "policy as a policy file or folder")  # fmt: skip
@@ -122,10 +155,20 @@ def _data(args: argparse.Namespace, split: str):
                           dtype=args.dtype, cache_dir=args.cache_dir, kv_cache_memory=args.kv_cache_memory)  # fmt: skip
 
 
-def resolve_policy_arg(spec: str, base: CachePolicy) -> CachePolicy:
+def resolve_policy_arg(
+    spec: str, base: CachePolicy, model: str | None = None, cache_dir: str | None = None
+) -> CachePolicy:
     """A policy named on the command line, relative to the tuned base policy."""
     if spec == "default":
         return base
+    if spec == "calibrated":
+        from confkv.calibration import calibrated_thresholds, calibration_path
+
+        found = calibrated_thresholds(model, cache_dir) if model else None
+        if found is None:
+            raise ConfkvError(f"{model} has no calibration ({calibration_path(model or '?', cache_dir)}); run "
+                              f"`confkv calibrate --model {model}` first")  # fmt: skip
+        return base.replace(**found)
     if spec in BUILTIN_POLICIES:
         if spec == "dynamic":
             return base
@@ -137,7 +180,7 @@ def resolve_policy_arg(spec: str, base: CachePolicy) -> CachePolicy:
     path = Path(spec)
     if path.exists() or spec.startswith("registry://"):
         return load_policy_file(spec)
-    raise ConfkvError(f"policy {spec!r} is neither a file, an exported folder, nor one of default, "
+    raise ConfkvError(f"policy {spec!r} is neither a file, an exported folder, nor one of default, calibrated, "
                       f"{', '.join(BUILTIN_POLICIES)}")  # fmt: skip
 
 
@@ -162,43 +205,108 @@ def _plot_curve(xs: list[float], ys: list[float], xlabel: str, ylabel: str, titl
     plt.close(fig)
 
 
+def _scorers(args: argparse.Namespace) -> list[str]:
+    from confkv.scorers import SCORER_NAMES
+
+    names = [n.strip() for n in (args.scorer or "").split(",") if n.strip()]
+    bad = [n for n in names if n not in SCORER_NAMES]
+    if bad:
+        raise ConfkvError(f"unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}")
+    if len(names) > 1 and args.algo != "optuna":
+        raise ConfkvError("an agent runs under one scorer (a sequence keeps its scorer); --scorer takes a list with "
+                          "--algo optuna only")  # fmt: skip
+    return names
+
+
+def _preset(args: argparse.Namespace) -> Any:
+    import dataclasses
+
+    from agents.sb3 import PRESETS
+
+    changes = {k: getattr(args, k) for k in ("n_steps", "batch_size", "n_epochs", "learning_rate", "eval_every")
+               if getattr(args, k) is not None}  # fmt: skip
+    if args.n_envs is not None:
+        changes["n_envs"] = args.n_envs
+    if any(v <= 0 for k, v in changes.items() if k != "eval_every") or changes.get("eval_every", 0) < 0:
+        raise ConfkvError("--n-envs, --n-steps, --batch-size, --n-epochs and --learning-rate must be positive")
+    if changes.get("eval_every") == 0:
+        changes["eval_every"] = 1 << 30  # before the first update and after the last only
+    if args.mode == "decode":
+        changes["n_envs"] = 1  # one free-decoding episode at a time
+    preset = dataclasses.replace(PRESETS[args.preset], **changes)
+    rollout = preset.n_steps * preset.n_envs
+    if args.algo == "ppo" and preset.batch_size > rollout and args.batch_size is None:
+        preset = dataclasses.replace(preset, batch_size=rollout)  # a minibatch no larger than a rollout
+    return preset
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from envs.evaluate import evaluate_policy
-    from tuner.tracking import log_artifact_file, log_artifacts, log_metrics, mlflow_run
+    from tuner.search import space_description
+    from tuner.tracking import log_artifact_file, log_artifacts, log_metrics, mlflow_run, set_tags
 
-    if args.algo == "optuna" and args.trials is None:
+    if args.algo == "optuna" and args.timesteps is not None:
         raise ConfkvError("--algo optuna takes --trials")
-    if args.algo != "optuna" and args.timesteps is None:
+    if args.algo != "optuna" and args.trials is not None:
         raise ConfkvError(f"--algo {args.algo} takes --timesteps")
-    if (args.trials or args.timesteps or 0) < 1:
-        raise ConfkvError("--timesteps/--trials must be at least 1")
     if args.algo == "sac" and args.action != "knobs":
         raise ConfkvError("sac needs --action knobs")
+    scorers = _scorers(args)
+    params: dict[str, Any] = {}
+    if args.algo == "optuna":
+        args.trials = args.trials if args.trials is not None else DEFAULT_TRIALS
+        if args.trials < 1:
+            raise ConfkvError("--trials must be at least 1")
+    else:
+        from agents.sb3 import describe, preset_params, schedule
+
+        preset = _preset(args)
+        args.timesteps = args.timesteps if args.timesteps is not None else preset.timesteps
+        if args.timesteps < 1:
+            raise ConfkvError("--timesteps must be at least 1")
+        args.n_envs = preset.n_envs
+        args.preset_obj = preset
+        plan = schedule(args.algo, args.timesteps, args.n_envs, preset)
+        print(describe(args.algo, args.timesteps, args.n_envs, preset), file=sys.stderr)
+        params.update(preset_params(preset))
+        params.update({f"{args.algo}_{k}": v for k, v in plan.items()})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     data = _data(args, "train")
+    if len(scorers) == 1:
+        data.base_policy = data.base_policy.replace(scorer=scorers[0])
     weights = _weights(args)
-    params = {
+    params.update({
         "algo": args.algo, "model": args.model, "workload": args.workload, "seed": args.seed,
         "episodes": len(data.episodes), "timesteps": args.timesteps, "trials": args.trials, "action": args.action,
         "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, **weights.__dict__,
         **{f"base_{k}": v for k, v in data.base_policy.model_dump(
-            include={"base_size", "max_size", "min_recent", "compact_interval"}).items()},
-    }  # fmt: skip
+            include={"base_size", "max_size", "min_recent", "compact_interval", "entropy_threshold", "gap_threshold",
+                     "scaling_factor"}).items()},
+        "base_scorer": data.base_policy.effective_scorer,
+        **space_description(data.base_policy, scorers if args.algo == "optuna" else ()),
+    })  # fmt: skip
     policy_dir = out / "policy"
     lineage: dict[str, Any] = {}
-    with mlflow_run(args.tracking_uri, f"{args.algo}-{args.model}-{args.workload}", params) as run:
+    with mlflow_run(args.tracking_uri, f"{args.algo}-{args.model}-{args.workload}", params,
+                    tags={"confkv.kind": "train"}) as run:  # fmt: skip
+        default = evaluate_policy(data, data.base_policy, weights)
+        log_metrics({"default_reward": default["reward"], "default_kv_fraction": default["kv_fraction"],
+                     "default_kl": default["kl_mean"]}, step=0)  # fmt: skip
         if args.algo == "optuna":
-            policy = _train_optuna(args, data, weights, out, log_metrics, lineage)
+            policy = _train_optuna(args, data, weights, out, log_metrics, lineage, scorers)
             policy_dir.mkdir(exist_ok=True)
             import yaml
 
             (policy_dir / "policy.yaml").write_text(yaml.safe_dump({"cache_policy": policy.model_dump(mode="json")}))
         else:
-            policy = _train_rl(args, data, weights, out, policy_dir, log_metrics)
+            policy = _train_rl(args, data, weights, out, policy_dir, log_metrics, default["reward"])
         final = evaluate_policy(data, policy, weights)
         log_metrics({f"train_{k}": v for k, v in _summary(final).items()})
+        set_tags(
+            {"confkv.train_reward": round(final["reward"], 6), "confkv.default_reward": round(default["reward"], 6)}
+        )
         log_artifacts(policy_dir, "policy")
         for png in out.glob("*.png"):
             log_artifact_file(png)
@@ -207,6 +315,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             "policy": str(policy_dir),
             "seconds": round(time.perf_counter() - t0, 1),
             "train": _summary(final),
+            "default": _summary(default),
+            **({"schedule": plan} if args.algo != "optuna" else {}),
         }
         if not args.no_register:
             summary["registry"] = _register_result(args, run.info.run_id, policy_dir, final, lineage)
@@ -254,8 +364,10 @@ def _register_result(
 
 
 def _train_optuna(
-    args: argparse.Namespace, data: Any, weights: Any, out: Path, log_metrics: Any, lineage: dict[str, Any]
-) -> CachePolicy:
+    args: argparse.Namespace, data: Any, weights: Any, out: Path, log_metrics: Any, lineage: dict[str, Any],
+    scorers: list[str],
+) -> CachePolicy:  # fmt: skip
+    from confkv.calibration import calibrated_thresholds
     from tuner.search import best_policy, best_trial, search
     from tuner.tracking import set_tags
 
@@ -266,14 +378,16 @@ def _train_optuna(
 
     def on_trial(trial: Any, metrics: dict[str, Any]) -> None:
         log_metrics({"trial_reward": metrics["reward"], "trial_kv_fraction": metrics["kv_fraction"],
-                     "trial_kl": metrics["kl_mean"], **({"trial_passkey_acc": metrics["passkey_acc"]}
-                                                        if metrics.get("passkey_acc") is not None else {})},
-                    step=trial.number)  # fmt: skip
+                     "trial_kl": metrics["kl_mean"], "trial_passkey_acc": metrics.get("passkey_acc"),
+                     "trial_multikey_acc": metrics.get("multikey_acc")}, step=trial.number)  # fmt: skip
         xs.append(metrics["kv_fraction"])
         ys.append(metrics["kl_mean"])
 
+    calibrated = calibrated_thresholds(args.model, args.cache_dir)
+    seeds = [data.base_policy.replace(**calibrated)] if calibrated else []
     study = search(data, args.trials, storage=storage, study_name=study_name, objectives=args.objectives,
-                   weights=weights, seed=args.seed, on_trial=on_trial, progress=sys.stderr.isatty())  # fmt: skip
+                   weights=weights, seed=args.seed, on_trial=on_trial, progress=sys.stderr.isatty(),
+                   scorers=scorers, seeds=seeds)  # fmt: skip
     if xs:
         import matplotlib
 
@@ -288,18 +402,59 @@ def _train_optuna(
         fig.tight_layout()
         fig.savefig(out / "optuna_trials.png", dpi=110)
         plt.close(fig)
-    lineage.update(optuna_study=study_name, optuna_trial=best_trial(study).number)
-    set_tags({"confkv.optuna_study": study_name, "confkv.optuna_trial": lineage["optuna_trial"],
-              "confkv.optuna_storage": storage})  # fmt: skip
+    best = best_trial(study)
+    lineage.update(optuna_study=study_name, optuna_trial=best.number)
+    tags: dict[str, Any] = {
+        "confkv.optuna_study": study_name, "confkv.optuna_trial": best.number, "confkv.optuna_storage": storage,
+        "confkv.optuna_trials": len(study.trials),
+        "confkv.optuna_seeded": "default" + (" + calibrated" if seeds else ""),
+        **{f"confkv.best.{k}": v for k, v in best.params.items()},
+    }  # fmt: skip
+    if best.values:
+        tags["confkv.best_value"] = best.values if len(best.values) > 1 else best.values[0]
+    set_tags(tags)
     return best_policy(study, data.base_policy)
 
 
+def _learning_curve(
+    out: Path, title: str, episodes: list[tuple[float, float]], evals: list[tuple[float, float]], default: float
+) -> None:
+    """Episode rewards (dots), their running mean over 20, the deterministic policy's evaluations (line) and the
+    default rule's reward on the same episodes (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if episodes:
+        xs, ys = map(np.array, zip(*episodes, strict=True))
+        ax.scatter(xs, ys, s=6, alpha=0.3, label="episode reward")
+        k = min(20, len(ys))
+        ax.plot(xs[k - 1 :], np.convolve(ys, np.ones(k) / k, mode="valid"), lw=1.5, label=f"mean of {k} episodes")
+    if evals:
+        ex, ey = zip(*evals, strict=True)
+        ax.plot(ex, ey, marker="o", lw=2, label="deterministic policy, all training episodes")
+    ax.axhline(default, ls="--", c="gray", label="default rule")
+    ax.set_xlabel("timestep (segments)")
+    ax.set_ylabel("reward per episode")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "reward_curve.png", dpi=110)
+    plt.close(fig)
+
+
 def _train_rl(
-    args: argparse.Namespace, data: Any, weights: Any, out: Path, policy_dir: Path, log_metrics: Any
-) -> CachePolicy:
+    args: argparse.Namespace, data: Any, weights: Any, out: Path, policy_dir: Path, log_metrics: Any,
+    default_reward: float,
+) -> CachePolicy:  # fmt: skip
     from agents.export import export_sb3
     from agents.sb3 import train_sb3
     from envs.env import ConfKVVecEnv
+    from envs.evaluate import evaluate_agent
 
     if args.mode == "decode":
         from stable_baselines3.common.vec_env import DummyVecEnv
@@ -310,34 +465,68 @@ def _train_rl(
         env.seed(args.seed)
     else:
         env = ConfKVVecEnv(data, args.n_envs, args.action, weights, seed=args.seed)
-    steps: list[float] = []
-    rewards: list[float] = []
+    episodes: list[tuple[float, float]] = []
+    evals: list[tuple[float, float]] = []
 
     def on_episode(timestep: int, ep: dict[str, Any]) -> None:
         quality = {"episode_kl": ep["kl"]} if "kl" in ep else {"episode_divergence": ep["divergence"]}
-        log_metrics({"episode_reward": ep["reward"], "episode_kv_fraction": ep["kv_fraction"], **quality},
-                    step=timestep)  # fmt: skip
-        steps.append(timestep)
-        rewards.append(ep["reward"])
+        log_metrics({"episode_reward": ep["reward"], f"episode_reward_{ep['workload']}": ep["reward"],
+                     "episode_kv_fraction": ep["kv_fraction"], **quality}, step=timestep)  # fmt: skip
+        episodes.append((timestep, ep["reward"]))
 
-    model = train_sb3(args.algo, env, args.timesteps, seed=args.seed, on_episode=on_episode,
-                      progress=sys.stderr.isatty())  # fmt: skip
+    def evaluate(act: Any) -> dict[str, Any]:
+        return evaluate_agent(data, act, args.action, weights)
+
+    def on_eval(timestep: int, updates: int, m: dict[str, Any]) -> None:
+        log_metrics({"eval_reward": m["reward"], "eval_kv_fraction": m["kv_fraction"], "eval_kl": m["kl_mean"],
+                     "eval_passkey_acc": m.get("passkey_acc"), "eval_multikey_acc": m.get("multikey_acc"),
+                     "eval_updates": updates}, step=timestep)  # fmt: skip
+        evals.append((timestep, m["reward"]))
+        print(
+            f"  after {updates} updates ({timestep} timesteps): reward {m['reward']:.3f} (default "
+            f"{default_reward:.3f}), kv {100 * m['kv_fraction']:.1f}%, kl {m['kl_mean']:.4f}",
+            file=sys.stderr,
+        )
+
+    model = train_sb3(args.algo, env, args.timesteps, preset=args.preset_obj, seed=args.seed, on_episode=on_episode,
+                      log_metrics=lambda metrics, step: log_metrics(metrics, step=step), evaluate=evaluate,
+                      on_eval=on_eval, progress=sys.stderr.isatty())  # fmt: skip
     env.close()
     export_sb3(model, args.action, policy_dir, data.base_policy, {"workload": args.workload, "model": args.model})
     model.save(out / f"{args.algo}_sb3.zip")
-    if steps:
-        _plot_curve(steps, rewards, "timestep", "episode reward", f"{args.algo} on {args.workload}",
-                    out / "reward_curve.png")  # fmt: skip
+    _learning_curve(out, f"{args.algo} on {args.workload} ({args.model})", episodes, evals, default_reward)
     return load_policy_file(policy_dir)
+
+
+def _maybe_run(args: argparse.Namespace, name: str, params: dict[str, Any], kind: str) -> Any:
+    """An MLflow run for eval/compare (a no-op context with ``--no-mlflow``)."""
+    import contextlib
+
+    if args.no_mlflow:
+        return contextlib.nullcontext()
+    from tuner.tracking import mlflow_run
+
+    return mlflow_run(args.tracking_uri, name, params, tags={"confkv.kind": kind})
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from envs.evaluate import evaluate_policy
 
     data = _data(args, args.split)
-    policy = resolve_policy_arg(args.policy, data.base_policy)
-    metrics = evaluate_policy(data, policy, _weights(args))
-    out = {"policy": args.policy, "controller": policy.controller, "split": args.split, **_summary(metrics)}
+    policy = resolve_policy_arg(args.policy, data.base_policy, args.model, args.cache_dir)
+    weights = _weights(args)
+    knobs = policy.model_dump(exclude={"learned_path"}, exclude_none=True)
+    params = {"policy": args.policy, "controller": policy.controller, "model": args.model, "workload": args.workload,
+              "split": args.split, "seed": args.seed, "episodes": len(data.episodes), **weights.__dict__,
+              **{f"policy_{k}": v for k, v in knobs.items()}}  # fmt: skip
+    with _maybe_run(args, f"eval-{Path(args.policy).name or args.policy}-{args.model}-{args.split}", params, "eval"):
+        metrics = evaluate_policy(data, policy, weights)
+        out = {"policy": args.policy, "controller": policy.controller, "split": args.split, **_summary(metrics)}
+        if not args.no_mlflow:
+            from tuner.tracking import log_dict, log_metrics
+
+            log_metrics(_summary(metrics))
+            log_dict({**out, "per_episode": metrics["per_episode"]}, "eval.json")
     if args.json:
         print(json.dumps({**out, "per_episode": metrics["per_episode"]}))
     else:
@@ -346,54 +535,71 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from confkv.calibration import calibrated_thresholds
     from envs.evaluate import evaluate_policy
 
     data = _data(args, args.split)
     named: list[tuple[str, CachePolicy]] = [("default", data.base_policy)]
+    if calibrated_thresholds(args.model, args.cache_dir):
+        named.append(("calibrated", resolve_policy_arg("calibrated", data.base_policy, args.model, args.cache_dir)))
     for item in args.policy:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise ConfkvError(f"--policy expects NAME=PATH (got {item!r})")
-        named.append((name, resolve_policy_arg(path, data.base_policy)))
+        named.append((name, resolve_policy_arg(path, data.base_policy, args.model, args.cache_dir)))
     for name in BUILTIN_POLICIES:
         if name != "dynamic":
             named.append((name, resolve_policy_arg(name, data.base_policy)))
-    rows = []
-    for name, policy in named:
-        m = _summary(evaluate_policy(data, policy, _weights(args)))
-        rows.append({"policy": name, "controller": policy.controller, **m})
-        print(f"{name}: kv {100 * m['kv_fraction']:.1f}% kl {m['kl_mean']:.4f}", file=sys.stderr)
+    params = {"model": args.model, "workload": args.workload, "split": args.split, "seed": args.seed,
+              "episodes": len(data.episodes), "policies": ",".join(n for n, _ in named), **_weights(args).__dict__,
+              **{f"policy.{item.partition('=')[0]}": item.partition("=")[2] for item in args.policy}}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps(rows, indent=2))
-    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-    lines = [
-        f"# Policy comparison: {args.model}, workload {args.workload}, split {args.split}",
-        "",
-        "| policy | controller | KV % | KL | ppl | pass-key % | reward |",
-        "|:---|:---|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        pk = None if r["passkey_acc"] is None else 100 * r["passkey_acc"]
-        lines.append(f"| {r['policy']} | {r['controller']} | {100 * r['kv_fraction']:.1f} | {r['kl_mean']:.4f} | "
-                     f"{fmt(r['ppl'], '.3f')} | {fmt(pk, '.0f')} | {r['reward']:.3f} |")  # fmt: skip
-    (out / "compare.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
+    with _maybe_run(args, f"compare-{args.model}-{args.workload}-{args.split}", params, "compare"):
+        rows = []
+        for name, policy in named:
+            m = _summary(evaluate_policy(data, policy, _weights(args)))
+            rows.append({"policy": name, "controller": policy.controller, **m})
+            print(f"{name}: kv {100 * m['kv_fraction']:.1f}% kl {m['kl_mean']:.4f}", file=sys.stderr)
+        (out / "compare.json").write_text(json.dumps(rows, indent=2))
+        fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+        pct = lambda v: None if v is None else 100 * v  # noqa: E731
+        lines = [
+            f"# Policy comparison: {args.model}, workload {args.workload}, split {args.split}",
+            "",
+            "| policy | controller | KV % | KL | ppl | pass-key % | multi-key % | reward |",
+            "|:---|:---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            lines.append(f"| {r['policy']} | {r['controller']} | {100 * r['kv_fraction']:.1f} | {r['kl_mean']:.4f} | "
+                         f"{fmt(r['ppl'], '.3f')} | {fmt(pct(r['passkey_acc']), '.0f')} | "
+                         f"{fmt(pct(r.get('multikey_acc')), '.0f')} | {r['reward']:.3f} |")  # fmt: skip
+        (out / "compare.md").write_text("\n".join(lines) + "\n")
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for r in rows:
-        ax.scatter(r["kv_fraction"], r["kl_mean"], s=40)
-        ax.annotate(r["policy"], (r["kv_fraction"], r["kl_mean"]), textcoords="offset points", xytext=(4, 4))
-    ax.set_xlabel("resident KV fraction (lower saves more)")
-    ax.set_ylabel("mean KL to full (lower is better)")
-    ax.set_title(f"{args.model}: {args.split} {args.workload}")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "compare.png", dpi=110)
-    plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for r in rows:
+            ax.scatter(r["kv_fraction"], r["kl_mean"], s=40)
+            ax.annotate(r["policy"], (r["kv_fraction"], r["kl_mean"]), textcoords="offset points", xytext=(4, 4))
+        ax.set_xlabel("resident KV fraction (lower saves more)")
+        ax.set_ylabel("mean KL to full (lower is better)")
+        ax.set_title(f"{args.model}: {args.split} {args.workload}")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "compare.png", dpi=110)
+        plt.close(fig)
+        if not args.no_mlflow:
+            from tuner.tracking import log_artifact_file, log_metrics, metric_key
+
+            for r in rows:
+                log_metrics(
+                    {f"{metric_key(r['policy'])}.{k}": v for k, v in r.items() if k not in ("policy", "controller")}
+                )
+            for name in ("compare.json", "compare.md", "compare.png"):
+                log_artifact_file(out / name)
     print("\n".join(lines))
     return 0
 

@@ -1,42 +1,82 @@
 """Optuna search over the dynamic rule's knobs and sizes, with the environment's reward as objective.
 
+The search space is the agents' (``confkv.learned.KnobSpace.for_policy`` around the base policy, built by
+``envs.env.knob_space``): ``entropy_threshold``, ``gap_threshold``, ``scaling_factor`` over the same bounds,
+``base_size`` and ``max_size`` over the same block-rounded ranges with ``max_size >= base_size``. What differs is
+what a point is: a trial is one constant policy for a whole episode, an agent's action sets the knobs segment by
+segment; and the scorer, which a sequence keeps from start to end (its records are made while the text is read),
+is a per-trial categorical only when ``scorers`` names several (an agent runs under one: ``--scorer``).
+
 A trial is a ``CachePolicy``; it is judged by ``envs.evaluate.evaluate_policy`` on the training episodes, in
 groups so that a clearly bad trial is pruned after its first group (median pruner). With
 ``objectives="pareto"`` the study minimises resident KV fraction and KL together and keeps a Pareto front
-(Optuna cannot prune multi-objective trials, so every trial runs to the end). Studies live in an RDB storage
+(Optuna cannot prune multi-objective trials, so every trial runs to the end). The first trial of a new study is
+the base policy itself (``enqueue_trial``), then any ``seeds`` (say, a calibrated policy), so the search starts
+from the hand-set rule and its best is never worse on the training episodes. Studies live in an RDB storage
 (SQLite by default), so a search resumes where it stopped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
 
 from confkv.config import CachePolicy
-from envs.env import RewardWeights
+from confkv.learned import KnobSpace
+from envs.env import RewardWeights, knob_space
 from envs.episodes import TuneData
 from envs.evaluate import evaluate_policy
 
+SEARCHED = ("entropy_threshold", "gap_threshold", "scaling_factor", "base_size", "max_size")
 
-def suggest_policy(trial: optuna.Trial, base: CachePolicy) -> CachePolicy:
-    bs = base.block_size
-    base_size = trial.suggest_int("base_size", max(bs, base.base_size // 2), base.base_size * 2, step=bs)
-    max_size = trial.suggest_int("max_size", base_size, max(base_size, base.max_size * 2), step=bs)
-    return base.replace(
-        entropy_threshold=trial.suggest_float("entropy_threshold", 0.5, 6.0),
-        gap_threshold=trial.suggest_float("gap_threshold", 0.0, 0.5),
-        scaling_factor=trial.suggest_float("scaling_factor", 0.5, 1.0),
-        base_size=base_size,
-        max_size=max_size,
-        min_recent=min(base.min_recent, max(0, max_size - base.sink_tokens)),
-    )
+
+def suggest_policy(trial: optuna.Trial, base: CachePolicy, scorers: Sequence[str] = ()) -> CachePolicy:
+    """One point of the shared space (``space`` bounds; sizes in whole blocks, ``max_size >= base_size``)."""
+    space = knob_space(base)
+    b = space.bounds()
+    bs = space.block_size
+    lo, hi = b["base_size"]
+    base_size = trial.suggest_int("base_size", int(lo), int(hi), step=bs)
+    lo, hi = b["max_size"]
+    max_size = trial.suggest_int("max_size", max(base_size, int(lo)), int(hi), step=bs)
+    knobs: dict[str, Any] = {
+        name: trial.suggest_float(name, *b[name]) for name in ("entropy_threshold", "gap_threshold", "scaling_factor")
+    }
+    if len(scorers) > 1:
+        knobs["scorer"] = trial.suggest_categorical("scorer", list(scorers))
+    return base.replace(base_size=base_size, max_size=max_size, **knobs)
+
+
+def params_of(policy: CachePolicy, base: CachePolicy, scorers: Sequence[str] = ()) -> dict[str, Any]:
+    """``policy`` as trial parameters of the space around ``base`` (to enqueue it), clamped into that space."""
+    space = knob_space(base)
+    bounds = space.bounds()
+    params: dict[str, Any] = {}
+    for name in SEARCHED:
+        lo, hi = bounds[name]
+        value = min(hi, max(lo, float(getattr(policy, name))))
+        if name in ("base_size", "max_size"):
+            bs = space.block_size
+            value = int(lo + round((value - lo) / bs) * bs)
+        params[name] = value
+    params["max_size"] = max(params["max_size"], params["base_size"])
+    if len(scorers) > 1:
+        params["scorer"] = policy.effective_scorer if policy.effective_scorer in scorers else scorers[0]
+    return params
 
 
 def policy_from_params(base: CachePolicy, params: dict[str, Any]) -> CachePolicy:
-    p = base.replace(**{k: v for k, v in params.items() if k in CachePolicy.model_fields})
-    return p.replace(min_recent=min(base.min_recent, max(0, p.max_size - p.sink_tokens)))
+    return base.replace(**{k: v for k, v in params.items() if k in CachePolicy.model_fields})
+
+
+def space_description(base: CachePolicy, scorers: Sequence[str] = ()) -> dict[str, Any]:
+    """The searched space, for the run's parameters: one entry per knob, ``[low, high]``."""
+    space: KnobSpace = knob_space(base)
+    out: dict[str, Any] = {f"space_{k}": list(v) for k, v in space.bounds().items()}
+    out["space_scorer"] = ",".join(scorers) if len(scorers) > 1 else base.effective_scorer
+    return out
 
 
 def search(
@@ -51,7 +91,11 @@ def search(
     groups: int = 2,
     progress: bool = False,
     on_trial: Callable[[optuna.trial.FrozenTrial, dict[str, Any]], None] | None = None,
+    scorers: Sequence[str] = (),
+    seeds: Sequence[CachePolicy] = (),
 ) -> optuna.Study:
+    """Run ``trials`` more trials of a (new or resumed) study; ``scorers``: several to search the scorer too;
+    ``seeds``: policies tried right after the base policy in a new study."""
     weights = weights or RewardWeights()
     base = data.base_policy
     sampler = optuna.samplers.TPESampler(seed=seed)
@@ -67,12 +111,16 @@ def search(
         )  # fmt: skip
     else:
         raise ValueError("objectives must be 'reward' or 'pareto'")
+    if not study.trials:  # a new study: the hand-set rule first
+        for i, policy in enumerate((base, *seeds)):
+            study.enqueue_trial(params_of(policy, base, scorers), user_attrs={"enqueued": "default" if i == 0 else
+                                                                              f"seed {i}"})  # fmt: skip
     episodes = data.episodes
     chunks = [episodes[i::groups] for i in range(groups)] if objectives == "reward" else [episodes]
     chunks = [c for c in chunks if c]
 
     def objective(trial: optuna.Trial) -> float | tuple[float, float]:
-        policy = suggest_policy(trial, base)
+        policy = suggest_policy(trial, base, scorers)
         rewards: list[float] = []
         rows: list[dict[str, Any]] = []
         metrics: dict[str, Any] = {}
@@ -88,8 +136,9 @@ def search(
             metrics = evaluate_summary(rows)
         trial.set_user_attr("kv_fraction", metrics["kv_fraction"])
         trial.set_user_attr("kl_mean", metrics["kl_mean"])
-        if metrics.get("passkey_acc") is not None:
-            trial.set_user_attr("passkey_acc", metrics["passkey_acc"])
+        for key in ("passkey_acc", "multikey_acc"):
+            if metrics.get(key) is not None:
+                trial.set_user_attr(key, metrics[key])
         if on_trial:
             on_trial(trial, {**metrics, "reward": sum(rewards) / len(rewards)})
         if objectives == "pareto":
@@ -102,11 +151,14 @@ def search(
 
 def evaluate_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Episode-weighted means when a trial ran in groups (token-weighted figures come from a full evaluation)."""
-    passkey = [r["task_correct"] for r in rows if "task_correct" in r]
+    from envs.evaluate import task_accuracy
+
     return {
         "kv_fraction": sum(r["kv_fraction"] for r in rows) / len(rows),
         "kl_mean": sum(r["kl"] for r in rows) / len(rows),
-        "passkey_acc": sum(passkey) / len(passkey) if passkey else None,
+        "passkey_acc": task_accuracy(rows, "passkey"),
+        "multikey_acc": task_accuracy(rows, "multikey"),
+        "task_acc": task_accuracy(rows),
     }
 
 

@@ -1,13 +1,21 @@
 """MLflow runs for ``confkv-tune``: parameters, metrics per episode or trial, the exported policy as artifact.
 
+Every command that measures something is a run of the one experiment ``confkv-tune``: ``train`` (learning curves,
+the best trial's parameters as tags), ``eval`` and ``compare`` (held-out figures, one run per invocation, tagged
+``confkv.kind``). Every run is tagged with the git commit of the code that made it (``mlflow.source.git.commit``,
+plus ``confkv.git_dirty`` when the working tree had uncommitted changes to tracked files).
+
 The tracking URI defaults to a SQLite file in the working directory (``sqlite:///mlflow.db``) with artifacts
 under ``./mlartifacts``; review with ``mlflow ui --backend-store-uri sqlite:///mlflow.db``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,8 +31,31 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+@functools.cache
+def git_commit() -> dict[str, str]:
+    """The commit the running code comes from, and whether tracked files differ from it ({} outside a checkout)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return {}
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": head.stdout.strip(), "dirty": "true" if dirty.stdout.strip() else "false"}
+
+
+def metric_key(name: str) -> str:
+    """A name MLflow accepts as (part of) a metric key: letters, digits, ``_ - . /`` and spaces."""
+    return re.sub(r"[^A-Za-z0-9_\-./ ]+", "_", name)
+
+
 @contextmanager
-def mlflow_run(tracking_uri: str | None, run_name: str, params: dict[str, Any]) -> Iterator[Any]:
+def mlflow_run(
+    tracking_uri: str | None, run_name: str, params: dict[str, Any], tags: dict[str, Any] | None = None
+) -> Iterator[Any]:
+    """An MLflow run of the ``confkv-tune`` experiment with ``params``, ``tags`` and the git commit as tags."""
     _quiet()
     import mlflow
 
@@ -36,15 +67,21 @@ def mlflow_run(tracking_uri: str | None, run_name: str, params: dict[str, Any]) 
             location = Path("mlartifacts").resolve().as_uri()
         mlflow.create_experiment(EXPERIMENT, artifact_location=location)
     mlflow.set_experiment(EXPERIMENT)
-    with mlflow.start_run(run_name=run_name) as run:
+    git = git_commit()
+    all_tags = {**({"mlflow.source.git.commit": git["commit"], "confkv.git_commit": git["commit"],
+                    "confkv.git_dirty": git["dirty"]} if git else {}), **(tags or {})}  # fmt: skip
+    with mlflow.start_run(run_name=run_name, tags={k: str(v) for k, v in all_tags.items()}) as run:
         mlflow.log_params({k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in params.items()})
         yield run
 
 
 def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
+    """Log the numeric values of ``metrics`` (others, and None, are skipped)."""
     import mlflow
 
-    clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
+    clean = {
+        metric_key(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     if clean:
         mlflow.log_metrics(clean, step=step)
 
@@ -59,6 +96,13 @@ def log_artifact_file(path: str | Path) -> None:
     import mlflow
 
     mlflow.log_artifact(str(path))
+
+
+def log_dict(doc: Any, name: str) -> None:
+    """A JSON artifact (per-episode rows of an evaluation)."""
+    import mlflow
+
+    mlflow.log_dict(doc, name)
 
 
 def download_policy(run_id: str, out: str | Path, tracking_uri: str | None) -> Path:
