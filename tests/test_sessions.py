@@ -158,3 +158,39 @@ def test_one_turn_at_a_time_and_delete(tmp_path):
     assert engine.delete_session("busy") and engine.stats()["sessions"]["device"] == 0
     assert engine.pool.num_used == 0
     llm.close()
+
+
+def test_refused_session_requests_leave_no_state():
+    from confkv.errors import ConfkvError
+
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny())
+    engine = llm.engine
+    engine.add_request("a", "hello there", PARAMS, session_id="busy")
+    for i in range(3):
+        with pytest.raises(ConfkvError):
+            engine.add_request(f"x{i}", "hello again", PARAMS, session_id="busy")
+        with pytest.raises(ConfkvError):
+            engine.add_request(f"y{i}", "hello again", PARAMS, session_id="bad id")
+    assert len(engine.manager._seqs) == 1 and list(engine._seqs) == ["a"]
+
+
+def test_unreachable_store_is_skipped_for_a_while_then_tried_again(tmp_path, monkeypatch):
+    from confkv.sessions.errors import StoreUnavailable
+
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(),
+              sessions=SessionOptions(store_url=str(tmp_path / "down"), store_backoff_s=30.0))  # fmt: skip
+    store = llm.engine.sessions.store
+
+    def down(*a, **k):
+        raise StoreUnavailable("store down (test)")
+
+    monkeypatch.setattr(store, "get", down)
+    first = llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="new-1")[0]
+    assert first.timing.get("restore_s") is not None  # it waited for the store once
+    second = llm.chat([[{"role": "user", "content": TURNS[1]}]], PARAMS, session_id="new-2")[0]
+    assert "restore_s" not in second.timing  # then new sessions stop waiting on it
+    assert llm.engine.stats()["session_faults"]["unavailable"] == 2
+    llm.engine.sessions._store_down_until = 0.0  # the back-off is over: the store is asked again
+    third = llm.chat([[{"role": "user", "content": TURNS[2]}]], PARAMS, session_id="new-3")[0]
+    assert third.timing.get("restore_s") is not None
+    llm.close()

@@ -221,6 +221,8 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len} tokens"
             )
         controller = self.controller_for(policy_overrides)
+        if session_id is not None:
+            self.sessions.check(session_id)  # before any state is made for the request
         seq_id = self.new_seq_id()
         state = controller.init_state()
         generator = None

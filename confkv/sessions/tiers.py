@@ -23,7 +23,9 @@ call tries the store again. Sessions expire ``ttl_s`` after their last use (memo
 What carries over exactly: under ``full`` everything (the output equals a recomputation token for token). Under an
 evicting policy the KV a session keeps is what *decoding* left (its budget), where a recomputation would read the
 whole history again as a prompt (keeping up to ``max_size``): the two are different caches by design, so outputs
-may differ; the controller's budget and step count carry over, a learned controller's segment memory does not.
+may differ; the controller's budget and step count carry over, a learned controller's segment memory does not. A
+session restored under another policy than the one that wrote it continues under the engine's current policy
+(its budget clamped to the new range), as a policy swap would.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +44,7 @@ from confkv.controllers import BudgetState
 from confkv.errors import ConfkvError
 from confkv.kv.block_table import DROPPED, ON_HOST, BlockTable
 from confkv.kv.manager import KVStats, SequenceKV
-from confkv.sessions.errors import RecordMissing, SessionStoreError
+from confkv.sessions.errors import RecordMissing, SessionStoreError, StoreUnavailable
 from confkv.sessions.record import BlockKV, SessionRecord, dtype_name, model_fingerprint
 from confkv.sessions.store import SessionStore, check_session_id
 
@@ -65,6 +67,7 @@ class SessionOptions:
     ttl_s: float = 24 * 3600.0  # forgotten (memory and store) after this long unused
     storage_options: dict[str, Any] | None = None
     timeout_s: float = 5.0
+    store_backoff_s: float = 10.0  # after the store fails to answer, new sessions skip it this long
 
 
 @dataclass
@@ -100,7 +103,12 @@ class SessionTiers:
         self.tokens_reused = 0
         self.offloads = 0
         self.faults: Counter[str] = Counter()
-        self.restore_seconds: list[float] = []  # since the last ``drain_restore_seconds`` (for a histogram)
+        #: Restore latencies since the last ``drain_restore_seconds`` (for a histogram; bounded for offline use).
+        self.restore_seconds: deque[float] = deque(maxlen=4096)
+        #: Deleted sessions whose store copy may still exist (the store did not answer the delete): never restored,
+        #: and deleted again on the next sweep.
+        self._unconfirmed_deletes: set[str] = set()
+        self._store_down_until = 0.0
         self._fingerprint: str | None = None
         self._jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._done: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -124,23 +132,33 @@ class SessionTiers:
         }
 
     # ------------------------------------------------------------------------------------------- requests
-    def attach(self, seq: Sequence, session_id: str) -> None:
-        """Give a new request of ``session_id`` the session's KV, or queue its restore from object storage."""
+    def check(self, session_id: str) -> None:
+        """Refuse a malformed id, or a session that already has a request running (before any state is made)."""
         check_session_id(session_id)
         if session_id in self.active:
             raise ConfkvError(f"session {session_id!r} already has a request running; send one turn at a time")
+
+    def attach(self, seq: Sequence, session_id: str) -> None:
+        """Give a new request of ``session_id`` the session's KV, or queue its restore from object storage.
+
+        While the store is backing off after it failed to answer, a session that is not in memory starts from its
+        prompt at once instead of waiting for a store that is probably still down (counted as ``unavailable``).
+        """
+        self.check(session_id)
         seq.session_id = session_id
         self.active[session_id] = seq.request_id
         parked = self.parked.pop(session_id, None)
         if parked is not None and parked.kv is not None:
             self._adopt(seq, parked.kv, parked.ctrl, parked.num_computed, parked.token_ids, parked.resident,
                         parked.tier)  # fmt: skip
-        elif self.store is not None:
+        elif self.store is None or session_id in self._unconfirmed_deletes:
+            self.misses += 1
+        elif time.monotonic() < self._store_down_until:
+            self.faults["unavailable"] += 1
+        else:
             seq.restoring = True
             seq.restore_started = time.perf_counter()
             self._jobs.put(("get", session_id, seq.request_id, self.expect))
-        else:
-            self.misses += 1
 
     def _adopt(
         self,
@@ -218,6 +236,7 @@ class SessionTiers:
         if parked is not None and parked.kv is not None:
             self.engine.manager.close(parked.kv)
         if self.store is not None:
+            self._unconfirmed_deletes.add(session_id)
             self._jobs.put(("delete", session_id))
         return parked is not None
 
@@ -304,6 +323,8 @@ class SessionTiers:
                 self._to_store(parked)
         if self.store is not None and now - self._last_sweep > min(opts.ttl_s / 10, 600.0):
             self._last_sweep = now
+            for sid in self._unconfirmed_deletes:
+                self._jobs.put(("delete", sid))
             self._jobs.put(("sweep", time.time() - opts.ttl_s))
 
     def flush(self, timeout_s: float = 60.0) -> int:
@@ -339,9 +360,20 @@ class SessionTiers:
                 self._restored(*item[1:])
             elif kind == "put":
                 self._pending_writes -= 1
+                self._unconfirmed_deletes.discard(item[1])  # a newer record replaced whatever was deleted
                 if item[2] is not None:  # the record did not land: only what the request carries is left
                     self.parked.pop(item[1], None)
-                    self.faults[item[2].kind] += 1
+                    self._fault(item[2])
+            elif kind == "deleted":
+                if item[2] is None:
+                    self._unconfirmed_deletes.discard(item[1])
+                else:
+                    self._fault(item[2])
+
+    def _fault(self, err: SessionStoreError) -> None:
+        self.faults[err.kind] += 1
+        if isinstance(err, StoreUnavailable):  # do not make every new session wait on a store that is down
+            self._store_down_until = time.monotonic() + self.options.store_backoff_s
 
     def wait_for_restores(self, timeout_s: float) -> None:
         """Block briefly for a restore when nothing else can run (no busy loop while a record is read)."""
@@ -356,10 +388,10 @@ class SessionTiers:
         self.restore_seconds.append(seq.restore_s)
         self.parked.pop(session_id, None)  # the store copy is now this request's
         if record is None:
-            if isinstance(err, RecordMissing) or err is None:
-                self.misses += 1
+            if isinstance(err, SessionStoreError) and not isinstance(err, RecordMissing):
+                self._fault(err)
             else:
-                self.faults[getattr(err, "kind", "unavailable")] += 1
+                self.misses += 1
             return
         kv = self._kv_from_record(seq, record)
         ctrl = BudgetState(budget=record.controller.get("budget", kv.budget) or kv.budget,
@@ -417,7 +449,11 @@ class SessionTiers:
                     except SessionStoreError as e:
                         self._done.put(("got", sid, rid, None, e))
                 elif kind == "delete":
-                    store.delete(job[1])
+                    try:
+                        store.delete(job[1])
+                        self._done.put(("deleted", job[1], None))
+                    except SessionStoreError as e:
+                        self._done.put(("deleted", job[1], e))
                 elif kind == "sweep":
                     for sid in store.list_sessions():
                         tokens = store.read_tokens(sid)
@@ -451,7 +487,8 @@ class SessionTiers:
         }
 
     def drain_restore_seconds(self) -> list[float]:
-        out, self.restore_seconds = self.restore_seconds, []
+        out = list(self.restore_seconds)
+        self.restore_seconds.clear()
         return out
 
 
