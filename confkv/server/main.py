@@ -112,7 +112,8 @@ def build_policy(args: argparse.Namespace) -> tuple[CachePolicy, dict[str, Any],
         raise ConfkvError(
             f"unknown policy {args.policy!r}; choose one of {', '.join(CONTROLLER_NAMES)} or registry://NAME@ALIAS"
         )
-    policy = resolve_policy(args.policy, args.policy_file, args.overrides or None)
+    policy = resolve_policy(args.policy, args.policy_file, args.overrides or None, model=args.model,
+                            cache_dir=args.cache_dir)  # fmt: skip
     if args.policy_file:
         info = {
             "name": policy.controller,
