@@ -41,16 +41,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-#: Chat prompts of different lengths; client k starts at prompt k and walks the list.
+from common import PROMPTS as COMMON_PROMPTS  # noqa: E402
+
+#: Chat prompts of different lengths (common.py's eight and eight more); client k starts at prompt k and walks the list.
 PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
-    "Write a short poem about autumn leaves falling in a quiet park.",
-    "Explain how a bicycle stays upright while moving.",
-    "List five fruits and say one fact about each of them.",
-    "Describe the water cycle to a ten-year-old.",
-    "Give me three tips for writing clear emails at work, with an example for each.",
-    "Why do cats purr? Give the main scientific explanations.",
-    "Summarise the plot of a detective story you invent, in a paragraph.",
+    *COMMON_PROMPTS,
     "How does a refrigerator keep food cold?",
     "Name three famous painters and one painting by each.",
     "What are the main differences between a lake and a sea?",
