@@ -25,16 +25,10 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import re
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common import PROMPTS as COMMON_PROMPTS  # noqa: E402
+
+from confkv.server.launcher import ServerProcess, free_port, serve_command  # noqa: E402
 
 #: Chat prompts of different lengths (common.py's eight and eight more); client k starts at prompt k and walks the list.
 PROMPTS = [
@@ -58,79 +54,18 @@ PROMPTS = [
 
 
 # --------------------------------------------------------------------------------------------------- servers
-class Server:
-    """A server process on loopback; ``url`` is its base URL once ``/health`` answers 200."""
-
-    name = "server"
-
-    def __init__(self, cmd: list[str], env: dict[str, str], port: int | None, start_timeout: float) -> None:
-        self.cmd = cmd
-        self.lines: list[str] = []
-        self.url: str | None = f"http://127.0.0.1:{port}" if port else None
-        self._got_url = threading.Event()
-        self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + start_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log[-4000:]}")
-            if self.url and _get(self.url + "/health", 2)[0] == 200:
-                return
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"{self.name} did not become healthy in {start_timeout:.0f}s:\n{self.log[-4000:]}")
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            m = re.search(r"confkv: listening on (http://\S+)", line)
-            if m and self.url is None:
-                self.url = m.group(1)
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-
-def _get(url: str, timeout: float) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except OSError as err:
-        return getattr(err, "code", 0) or 0, ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_confkv(args: argparse.Namespace, policy: str) -> Server:
-    cmd = [sys.executable, "-m", "confkv.cli", "serve", "--model", args.model, "--cache-policy", policy,
-           "--port", "0", "--max-batch-size", str(args.max_batch_size), "--log-level", "warning"]  # fmt: skip
+def start_confkv(args: argparse.Namespace, policy: str) -> ServerProcess:
+    flags = ["--model", args.model, "--cache-policy", policy, "--max-batch-size", str(args.max_batch_size),
+             "--log-level", "warning"]  # fmt: skip
     if args.kv_cache_memory:
-        cmd += ["--kv-cache-memory", args.kv_cache_memory]
+        flags += ["--kv-cache-memory", args.kv_cache_memory]
     if args.device:
-        cmd += ["--device", args.device]
+        flags += ["--device", args.device]
     for item in args.set if policy == "dynamic" else []:
-        cmd += ["--set", item]
-    srv = Server(cmd, {}, None, args.start_timeout)
-    srv.name = f"confkv serve ({policy})"
-    return srv
+        flags += ["--set", item]
+    return ServerProcess(
+        serve_command(*flags), cwd=REPO, name=f"confkv serve ({policy})", start_timeout=args.start_timeout
+    )
 
 
 def hf_model_folder(model: str) -> Path:
@@ -154,7 +89,7 @@ def hf_model_folder(model: str) -> Path:
     return Path(model).resolve()
 
 
-def start_transformers(args: argparse.Namespace) -> tuple[Server, str]:
+def start_transformers(args: argparse.Namespace) -> tuple[ServerProcess, str]:
     folder = hf_model_folder(args.model)
     hf_bin = Path(args.hf_python).parent / "transformers"
     launcher = [str(hf_bin)] if hf_bin.exists() else [args.hf_python, "-m", "transformers.cli.transformers"]
@@ -162,9 +97,9 @@ def start_transformers(args: argparse.Namespace) -> tuple[Server, str]:
     cmd = [*launcher, "serve", str(folder), "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
            "--device", args.device or "cpu", "--log-level", "warning"]  # fmt: skip
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    srv = Server(cmd, env, port, args.start_timeout)
-    srv.name = "transformers serve --continuous-batching"
-    return srv, str(folder)
+    name = "transformers serve --continuous-batching"
+    url = f"http://127.0.0.1:{port}"
+    return ServerProcess(cmd, env=env, cwd=REPO, url=url, name=name, start_timeout=args.start_timeout), str(folder)
 
 
 # ------------------------------------------------------------------------------------------------------ load
@@ -194,10 +129,12 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": qs[49], "p90": qs[89], "p99": qs[98], "mean": statistics.fmean(values)}
 
 
-async def run_load(url: str, model: str, args: argparse.Namespace, result: RunResult, send_usage: bool) -> None:
+async def run_load(
+    server: ServerProcess, model: str, args: argparse.Namespace, result: RunResult, send_usage: bool
+) -> None:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.request_timeout)
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=args.request_timeout)
     ttfts: list[float] = []
     latencies: list[float] = []
     counted_by_chunks = False
@@ -247,7 +184,10 @@ async def run_load(url: str, model: str, args: argparse.Namespace, result: RunRe
     async def sample_metrics(stop: asyncio.Event) -> None:
         peak_usage = peak_running = 0.0
         while not stop.is_set():
-            status, text = await asyncio.to_thread(_get, url + "/metrics", 5)
+            try:
+                status, text = await asyncio.to_thread(server.request, "GET", "/metrics", timeout=5)
+            except OSError:
+                status, text = 0, ""
             if status == 200:
                 for line in text.splitlines():
                     if line.startswith("confkv:kv_cache_usage_perc "):
@@ -340,10 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             srv, model_name = start_transformers(args)
         try:
-            assert srv.url is not None
             r = RunResult(args.target, policy, args.clients, args.duration)
             print(f"# {srv.name}: {args.clients} clients for {args.duration:.0f}s ...", file=sys.stderr, flush=True)
-            asyncio.run(run_load(srv.url, model_name, args, r, send_usage=args.target == "confkv"))
+            asyncio.run(run_load(srv, model_name, args, r, send_usage=args.target == "confkv"))
             results.append(r)
         finally:
             code = srv.stop()

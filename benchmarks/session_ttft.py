@@ -34,17 +34,11 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from confkv.bench.corpus import split_passage  # noqa: E402
+from confkv.server.launcher import ServerProcess, free_port, serve_command  # noqa: E402
 from confkv.sessions.store import RECORD_SUFFIX, SessionStore  # noqa: E402
 
 TURN1 = "Here is part of the Python documentation:\n\n{doc}\n\nIn one sentence, what is this part about?"
@@ -64,80 +59,29 @@ _MOTO_DROPS = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ROLE_ARN", "AWS_WEB_IDEN
 
 
 # ------------------------------------------------------------------------------------------------------ servers
-class Server:
-    """``confkv serve`` on a free loopback port (it prints the port it got); stopped with SIGTERM."""
-
-    def __init__(self, args: argparse.Namespace, store: str, env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", "confkv.cli", "serve", "--model", args.model, "--policy", args.policy,
-               "--host", "127.0.0.1", "--port", "0", "--kv-cache-memory", args.kv_cache_memory,
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--session-store", store,
-               "--log-level", "warning"]  # fmt: skip
-        if store != "none":
-            cmd += ["--session-idle-s", "0", "--session-offload-s", "0"]
-        if args.device:
-            cmd += ["--device", args.device]
-        if args.cache_dir:
-            cmd += ["--cache-dir", args.cache_dir]
-        self.lines: list[str] = []
-        self.url: str | None = None
-        base = {k: v for k, v in os.environ.items() if not (env and k in _MOTO_DROPS)}  # moto: no real profile
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env={**base, **env}, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + args.start_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"confkv serve exited with {self.proc.returncode}:\n{self.log[-4000:]}")
-            if self.url and _http("GET", self.url + "/health", timeout=2)[0] == 200:
-                return
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"confkv serve did not become healthy in {args.start_timeout:.0f}s:\n{self.log[-4000:]}")
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            m = re.search(r"confkv: listening on (http://\S+)", line)
-            if m and self.url is None:
-                self.url = m.group(1)
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def metrics(self) -> dict[tuple[str, ...], float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        assert self.url is not None
-        _, text = _http("GET", self.url + "/metrics", timeout=30)
-        return {(s.name, *s.labels.values()): s.value for f in text_string_to_metric_families(text) for s in f.samples}
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)  # it writes its sessions to the store first
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+def start_server(args: argparse.Namespace, store: str, env: dict[str, str]) -> ServerProcess:
+    """``confkv serve`` on a free loopback port for one store (``env``: moto's AWS_* settings, or empty)."""
+    flags = ["--model", args.model, "--policy", args.policy, "--kv-cache-memory", args.kv_cache_memory,
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--session-store", store,
+             "--log-level", "warning"]  # fmt: skip
+    if store != "none":
+        flags += ["--session-idle-s", "0", "--session-offload-s", "0"]
+    if args.device:
+        flags += ["--device", args.device]
+    if args.cache_dir:
+        flags += ["--cache-dir", args.cache_dir]
+    drops = dict.fromkeys(_MOTO_DROPS) if env else {}  # moto: no real profile
+    return ServerProcess(  # stop: SIGTERM, on which it writes its sessions to the store first
+        serve_command(*flags), env={**drops, **env}, cwd=REPO, start_timeout=args.start_timeout, stop_timeout=120
+    )
 
 
-def _http(method: str, url: str, body: Any = None, timeout: float = 30) -> tuple[int, str]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except OSError as err:
-        return getattr(err, "code", 0) or 0, ""
+def metrics(server: ServerProcess) -> dict[tuple[str, ...], float]:
+    """``{(sample name, *label values): value}`` of the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    _, text = server.request("GET", "/metrics")
+    return {(s.name, *s.labels.values()): s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 @contextlib.contextmanager
@@ -147,7 +91,7 @@ def moto_s3() -> Iterator[tuple[str, dict[str, str]]]:
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per S3 request
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
@@ -225,14 +169,16 @@ def stream_turn(
     }
 
 
-def wait_stored(server: Server, store: SessionStore | None, session: str, old_size: int | None, timeout: float) -> int:
+def wait_stored(
+    server: ServerProcess, store: SessionStore | None, session: str, old_size: int | None, timeout: float
+) -> int:
     """Until the session has left memory and a new record of it (another size than ``old_size``) is in the store."""
     if store is None:
         return 0
     path = f"{store.root}/{session}{RECORD_SUFFIX}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = server.metrics()
+        m = metrics(server)
         if m[("confkv:sessions", "device")] + m[("confkv:sessions", "host")] == 0:
             with contextlib.suppress(FileNotFoundError):
                 size = int(store.fs.info(path)["size"])
@@ -242,8 +188,8 @@ def wait_stored(server: Server, store: SessionStore | None, session: str, old_si
     raise TimeoutError(f"session {session} did not reach the store within {timeout:.0f}s")
 
 
-def restore_seconds(server: Server) -> tuple[float, float]:
-    m = server.metrics()
+def restore_seconds(server: ServerProcess) -> tuple[float, float]:
+    m = metrics(server)
     return m[("confkv:session_restore_seconds_sum",)], m[("confkv:session_restore_seconds_count",)]
 
 
@@ -273,10 +219,9 @@ def run_store(args: argparse.Namespace, kind: str, deadline: float, out: dict[st
                 envs.enter_context(_setenv(key, None))
             store = None if url == "none" else SessionStore(url, timeout_s=args.request_timeout)
             print(f"# {kind}: starting confkv serve --model {args.model} --session-store {url}", file=sys.stderr)
-            server = Server(args, url, env)
+            server = start_server(args, url, env)
             stack.callback(server.stop)
-            assert server.url is not None
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+            client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
                                    timeout=args.request_timeout)  # fmt: skip
             count = token_counter(args.model, args.cache_dir)
             stream_turn(client, args.model, [{"role": "user", "content": "Hello!"}], None, 4)  # warm-up
@@ -309,7 +254,7 @@ def _setenv(key: str, value: str | None) -> Iterator[None]:
 def one_repeat(
     args: argparse.Namespace,
     client: Any,
-    server: Server,
+    server: ServerProcess,
     store: SessionStore | None,
     count: Callable[[str], int] | None,
     kind: str,
@@ -336,8 +281,8 @@ def one_repeat(
         if how == "session":
             row[how]["restore_s"] = after[0] - before[0] if after[1] > before[1] else 0.0
     row["same_text"] = row["session"].pop("text") == row["recompute"].pop("text")
-    assert server.url is not None
-    _http("DELETE", f"{server.url}/v1/sessions/{session}")  # its KV is no use to the next repeat
+    with contextlib.suppress(OSError):
+        server.request("DELETE", f"/v1/sessions/{session}")  # its KV is no use to the next repeat
     return row
 
 
