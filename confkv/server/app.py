@@ -19,6 +19,7 @@ record existed).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -406,6 +407,36 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
             gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
 
+    async def generate(
+        body: P.CompletionRequest | P.ChatCompletionRequest,
+        request: Request,
+        req: GenerateRequest,
+        chunk_type: type[P.CompletionChunk] | type[P.ChatCompletionChunk],
+        make_chunk: Callable[[dict[str, Any], Event], BaseModel],
+        make_response: Callable[[dict[str, Any], str, list[Event], Event], BaseModel],
+    ) -> Response:
+        """Admit ``req`` and answer it: server-sent ``make_chunk`` chunks (and a usage chunk when asked) if the body
+        streams, else one ``make_response`` over the whole text; 499 when the client left, 500 when the engine
+        failed the request. Both builders get the fields every chunk and response share (id, created, model,
+        session_id)."""
+        stream = await admit(req)
+        env = {"id": req.request_id, "created": int(time.time()), "model": settings.served_model_name,
+               "session_id": body.session_id}  # fmt: skip
+        if body.stream:
+
+            def usage(ev: Event) -> BaseModel:
+                return chunk_type(**env, choices=[], usage=usage_of(ev))
+
+            chunk = functools.partial(make_chunk, env)
+            return streaming_response(stream_events(stream, chunk, usage if body.include_usage else None))
+        done = await collect(stream, request)
+        if done is None:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        text, events, last = done
+        if last.error is not None:
+            return engine_failure(last)
+        return JSONResponse(make_response(env, text, events, last).model_dump(exclude_none=True))
+
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
         check_request(body, body.unsupported())
@@ -413,101 +444,64 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
             prompt = body.single_prompt()
         except ValueError as err:
             raise APIError(400, str(err), param="prompt", code="invalid_value") from None
-        rid = P.new_id("cmpl")
         req = GenerateRequest(
-            request_id=rid,
+            request_id=P.new_id("cmpl"),
             sampling=body.sampling_kwargs(body.max_tokens if body.max_tokens is not None else 16),
             prompt=prompt,
             logprobs=body.logprobs,
             policy_overrides=body.cache_policy,
             session_id=body.session_id,
         )
-        stream = await admit(req)
-        created = int(time.time())
-        env = {"id": rid, "created": created, "model": settings.served_model_name, "session_id": body.session_id}
-        if body.stream:
-            offset = [0]
+        offset = [0]  # the streamed text's length so far, for text_offset
 
-            def chunk(ev: Event) -> P.CompletionChunk:
-                lp = _completion_logprobs(ev, offset) if body.logprobs is not None else None
-                choice = P.CompletionChoice(text=ev.text, logprobs=lp, finish_reason=ev.finish_reason)
-                return P.CompletionChunk(**env, choices=[choice])
+        def chunk(env: dict[str, Any], ev: Event) -> P.CompletionChunk:
+            lp = _completion_logprobs(ev, offset) if body.logprobs is not None else None
+            choice = P.CompletionChoice(text=ev.text, logprobs=lp, finish_reason=ev.finish_reason)
+            return P.CompletionChunk(**env, choices=[choice])
 
-            def usage(ev: Event) -> P.CompletionChunk:
-                return P.CompletionChunk(**env, choices=[], usage=usage_of(ev))
+        def response(env: dict[str, Any], text: str, events: list[Event], last: Event) -> P.CompletionResponse:
+            lp = None
+            if body.logprobs is not None:
+                lp, at = P.CompletionLogprobs(top_logprobs=[]), [0]
+                for ev in events:
+                    part = _completion_logprobs(ev, at)
+                    lp.tokens += part.tokens
+                    lp.token_logprobs += part.token_logprobs
+                    lp.top_logprobs += part.top_logprobs or []
+                    lp.text_offset += part.text_offset
+            choice = P.CompletionChoice(text=text, logprobs=lp, finish_reason=last.finish_reason)
+            return P.CompletionResponse(**env, choices=[choice], usage=usage_of(last), kv=last.kv)
 
-            return streaming_response(stream_events(stream, chunk, usage if body.include_usage else None))
-        done = await collect(stream, request)
-        if done is None:
-            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        text, events, last = done
-        if last.error is not None:
-            return engine_failure(last)
-        lp = None
-        if body.logprobs is not None:
-            lp, offset = P.CompletionLogprobs(top_logprobs=[]), [0]
-            for ev in events:
-                part = _completion_logprobs(ev, offset)
-                lp.tokens += part.tokens
-                lp.token_logprobs += part.token_logprobs
-                lp.top_logprobs += part.top_logprobs or []
-                lp.text_offset += part.text_offset
-        resp = P.CompletionResponse(
-            **env,
-            choices=[P.CompletionChoice(text=text, logprobs=lp, finish_reason=last.finish_reason)],
-            usage=usage_of(last),
-            kv=last.kv,
-        )
-        return JSONResponse(resp.model_dump(exclude_none=True))
+        return await generate(body, request, req, P.CompletionChunk, chunk, response)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
         check_request(body, body.unsupported())
-        rid = P.new_id("chatcmpl")
         req = GenerateRequest(
-            request_id=rid,
+            request_id=P.new_id("chatcmpl"),
             sampling=body.sampling_kwargs(body.requested_max_tokens()),
             messages=body.template_messages(),
             logprobs=body.num_logprobs(),
             policy_overrides=body.cache_policy,
             session_id=body.session_id,
         )
-        stream = await admit(req)
-        created = int(time.time())
-        env = {"id": rid, "created": created, "model": settings.served_model_name, "session_id": body.session_id}
         want_lp = body.logprobs
-        if body.stream:
-            first = [True]
+        first = [True]
 
-            def chunk(ev: Event) -> P.ChatCompletionChunk:
-                delta = P.DeltaMessage(role="assistant" if first[0] else None, content=ev.text)
-                first[0] = False
-                lp = P.ChatLogprobs(content=_chat_logprobs(ev)) if want_lp and ev.logprobs else None
-                choice = P.ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=ev.finish_reason)
-                return P.ChatCompletionChunk(**env, choices=[choice])
+        def chunk(env: dict[str, Any], ev: Event) -> P.ChatCompletionChunk:
+            delta = P.DeltaMessage(role="assistant" if first[0] else None, content=ev.text)
+            first[0] = False
+            lp = P.ChatLogprobs(content=_chat_logprobs(ev)) if want_lp and ev.logprobs else None
+            choice = P.ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=ev.finish_reason)
+            return P.ChatCompletionChunk(**env, choices=[choice])
 
-            def usage(ev: Event) -> P.ChatCompletionChunk:
-                return P.ChatCompletionChunk(**env, choices=[], usage=usage_of(ev))
+        def response(env: dict[str, Any], text: str, events: list[Event], last: Event) -> P.ChatCompletionResponse:
+            lp = P.ChatLogprobs(content=[t for ev in events for t in _chat_logprobs(ev)]) if want_lp else None
+            message = P.AssistantMessage(content=text)
+            choice = P.ChatChoice(message=message, logprobs=lp, finish_reason=last.finish_reason)
+            return P.ChatCompletionResponse(**env, choices=[choice], usage=usage_of(last), kv=last.kv)
 
-            return streaming_response(stream_events(stream, chunk, usage if body.include_usage else None))
-        done = await collect(stream, request)
-        if done is None:
-            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        text, events, last = done
-        if last.error is not None:
-            return engine_failure(last)
-        lp = None
-        if want_lp:
-            lp = P.ChatLogprobs(content=[t for ev in events for t in _chat_logprobs(ev)])
-        resp = P.ChatCompletionResponse(
-            **env,
-            choices=[
-                P.ChatChoice(message=P.AssistantMessage(content=text), logprobs=lp, finish_reason=last.finish_reason)
-            ],
-            usage=usage_of(last),
-            kv=last.kv,
-        )
-        return JSONResponse(resp.model_dump(exclude_none=True))
+        return await generate(body, request, req, P.ChatCompletionChunk, chunk, response)
 
     # ---------------------------------------------------------------------------------------------- sessions
     @app.delete("/v1/sessions/{session_id}", dependencies=auth)

@@ -299,47 +299,38 @@ class ServerMetrics:
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.ttft = Histogram(
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
             "confkv:time_to_first_token_seconds",
             "Time from request arrival to its first generated token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
-            "confkv:inter_token_latency_seconds",
-            "Time between two generated tokens of one request.",
-            buckets=_ITL_BUCKETS,
-            registry=r,
+        self.itl = histogram(
+            "confkv:inter_token_latency_seconds", "Time between two generated tokens of one request.", _ITL_BUCKETS
         )
-        self.e2e = Histogram(
-            "confkv:e2e_request_latency_seconds",
-            "Time from request arrival to its last token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = histogram(
+            "confkv:e2e_request_latency_seconds", "Time from request arrival to its last token.", _LATENCY_BUCKETS
         )
-        self.entropy = Histogram(
+        self.entropy = histogram(
             "confkv:token_entropy_nats",
             "Entropy of the next-token distribution at each generated token.",
-            buckets=_ENTROPY_BUCKETS,
-            registry=r,
+            _ENTROPY_BUCKETS,
         )
-        self.gap = Histogram(
-            "confkv:token_top1_gap",
-            "Top-1 minus top-2 probability at each generated token.",
-            buckets=_GAP_BUCKETS,
-            registry=r,
+        self.gap = histogram(
+            "confkv:token_top1_gap", "Top-1 minus top-2 probability at each generated token.", _GAP_BUCKETS
         )
-        self.resident = Histogram(
+        self.resident = histogram(
             "confkv:resident_kv_tokens",
             "KV tokens a sequence attended over on the device, per generated token.",
-            buckets=_RESIDENT_BUCKETS,
-            registry=r,
+            _RESIDENT_BUCKETS,
         )
-        self.session_restore = Histogram(
+        self.session_restore = histogram(
             "confkv:session_restore_seconds",
             "Time to read and check a session's record from the object store (request waiting meanwhile).",
-            buckets=_RESTORE_BUCKETS,
-            registry=r,
+            _RESTORE_BUCKETS,
         )
         self.prompt_tokens = Counter("confkv:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("confkv:generation_tokens", "Generated tokens.", registry=r)
