@@ -40,13 +40,20 @@ def _add_chunk_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_policy_args(p: argparse.ArgumentParser) -> None:
+def _add_policy_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """--policy, --policy-file, --set; ``serving`` (``confkv serve``) adds vLLM's spelling ``--cache-policy``,
+    registry references (``registry://NAME@ALIAS``, followed live) and a policy file that is watched."""
+    registry = ", or registry://NAME@ALIAS (followed live)" if serving else ""
+    watched = "; watched and reloaded when it changes" if serving else ""
     p.add_argument(
         "--policy",
+        *(["--cache-policy"] if serving else []),
+        dest="policy",
         default=None,
-        help=f"KV cache policy: {', '.join(CONTROLLER_NAMES)} (default: dynamic, or the policy file's controller)",
+        help=f"KV cache policy: {', '.join(CONTROLLER_NAMES)}{registry} (default: dynamic, or the policy file's "
+        "controller)",
     )
-    p.add_argument("--policy-file", default=None, help="YAML file with a top-level cache_policy: mapping")
+    p.add_argument("--policy-file", default=None, help=f"YAML file with a top-level cache_policy: mapping{watched}")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -123,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (streaming, /metrics)")
     _add_model_args(serve)
+    _add_chunk_arg(serve)
+    _add_policy_args(serve, serving=True)
     from confkv.server.settings import add_serve_arguments
 
     add_serve_arguments(serve)

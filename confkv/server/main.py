@@ -28,14 +28,9 @@ from confkv.errors import ConfkvError
 from confkv.server.app import ServerState, create_app
 from confkv.server.engine_thread import EngineThread, idle_wake_s
 from confkv.server.metrics import ServerMetrics
-from confkv.server.policy_sources import (
-    PolicyFileWatcher,
-    file_version,
-    follow_registry,
-    is_registry_ref,
-    resolve_registry,
-)
+from confkv.server.policy_sources import PolicyFileWatcher, file_version, follow_registry, resolve_registry
 from confkv.server.settings import ServerSettings, settings_from_args
+from store.refs import is_registry_ref
 
 if TYPE_CHECKING:
     from confkv.engine.engine import LLMEngine

@@ -20,18 +20,6 @@ from confkv.server.engine_thread import EngineThread
 
 log = logging.getLogger(__name__)
 
-REGISTRY_PREFIX = "registry://"
-
-
-def is_registry_ref(text: str | None) -> bool:
-    if not text:
-        return False
-    try:
-        from store.refs import is_registry_ref as store_is_ref
-    except ImportError:
-        return text.startswith(REGISTRY_PREFIX)
-    return bool(store_is_ref(text))
-
 
 def _policy_files(path: Path) -> list[Path]:
     """The files whose change means a new policy: the YAML, or every file of an exported policy folder."""

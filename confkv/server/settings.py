@@ -42,32 +42,15 @@ class ServerSettings(BaseModel):
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The serve-only flags (``cli._add_model_args`` adds --model, --device, --dtype, --kv-cache-memory, --cache-dir).
-
-    ``--policy`` (alias ``--cache-policy``) takes a built-in controller name or a registry reference
-    (``registry://NAME@ALIAS``); vLLM's spelling ``--max-num-seqs`` is accepted for ``--max-batch-size``.
+    """The serve-only flags. ``confkv.cli`` adds the ones every command shares: the model's (--model, --device,
+    --dtype, --kv-cache-memory, --cache-dir), --max-num-batched-tokens, and the policy's (--policy, alias
+    --cache-policy, which also takes a registry reference ``registry://NAME@ALIAS``; --policy-file; --set).
+    vLLM's spelling ``--max-num-seqs`` is accepted for ``--max-batch-size``.
     """
-    p.add_argument(
-        "--policy",
-        "--cache-policy",
-        dest="policy",
-        default=None,
-        help="dynamic (default), full, window, streaming, h2o, snapkv, or registry://NAME@ALIAS (followed live)",
-    )
-    p.add_argument("--policy-file", default=None, help="YAML policy file, watched and reloaded when it changes")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one policy key at start (repeatable)",
-    )
     p.add_argument("--registry-url", default=None, help="policy registry database URL (default: the store's)")
     p.add_argument(
         "--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=32, help="sequences per step"
     )
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (prefill + decode)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST}: loopback only)")
