@@ -50,9 +50,9 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
@@ -72,6 +72,7 @@ RECORD_SUFFIX = ".record"
 #: fault kinds counted in ``stats()["faults"]`` (a missing record is a miss, counted in ``misses``).
 FAULT_KINDS: tuple[str, ...] = ("unavailable", "corrupt", "foreign")
 _COUNTERS: tuple[str, ...] = ("puts", "gets", "token_gets", "misses", "deletes", "bytes_written", "bytes_read")
+_Obj = TypeVar("_Obj", SessionRecord, SessionTokens)
 
 
 def default_url(cache_dir: str | os.PathLike[str] | None = None) -> str:
@@ -147,12 +148,9 @@ class SessionStore:
         readable and consistent in itself). ``ValueError`` for an inconsistent record (a bug, not counted).
         """
         sid = check_session_id(record.session_id)
-        try:
+        with self._counting_faults(sid):
             written = self._write(self._key(sid, TOKENS_SUFFIX), encode_tokens_object(record, level=self.level))
             written += self._write(self._key(sid, RECORD_SUFFIX), encode(record, level=self.level))
-        except SessionStoreError as err:
-            self._fault(err, sid)
-            raise
         self._bump(puts=1)
         return written
 
@@ -161,13 +159,8 @@ class SessionStore:
         ``block_size``, ``dtype``; see ``record.decode``). Raises ``RecordMissing``, ``StoreUnavailable``,
         ``CorruptRecord`` or ``ForeignRecord``."""
         sid = check_session_id(session_id)
-        try:
-            record = decode(self._read(self._key(sid, RECORD_SUFFIX), sid), expect=expect)
-            if record.session_id != sid:
-                raise ForeignRecord(f"the record under {sid!r} is session {record.session_id!r}'s", session_id=sid)
-        except SessionStoreError as err:
-            self._fault(err, sid)
-            raise
+        with self._counting_faults(sid):
+            record = self._load(sid, RECORD_SUFFIX, decode, expect)
         self._bump(gets=1)
         return record
 
@@ -179,15 +172,10 @@ class SessionStore:
         """
         sid = check_session_id(session_id)
         try:
-            tokens = decode_tokens(self._read(self._key(sid, TOKENS_SUFFIX), sid), expect=expect)
-            if tokens.session_id != sid:
-                raise ForeignRecord(f"the tokens under {sid!r} are session {tokens.session_id!r}'s", session_id=sid)
-        except RecordMissing as err:
-            self._fault(err, sid)
+            with self._counting_faults(sid):
+                tokens = self._load(sid, TOKENS_SUFFIX, decode_tokens, expect)
+        except RecordMissing:  # counted as a miss
             return None
-        except SessionStoreError as err:
-            self._fault(err, sid)
-            raise
         self._bump(token_gets=1)
         return tokens
 
@@ -199,14 +187,11 @@ class SessionStore:
     def delete(self, session_id: str) -> bool:
         """Remove both objects; True if the session existed. Deleting an absent session is not an error."""
         sid = check_session_id(session_id)
-        try:
+        with self._counting_faults(sid):
             existed = self._exists(sid)
             for suffix in (RECORD_SUFFIX, TOKENS_SUFFIX):  # the KV first: it is the bulk, and the tokens suffice alone
                 with contextlib.suppress(FileNotFoundError):
                     self._op("rm_file", self._key(sid, suffix))
-        except SessionStoreError as err:
-            self._fault(err, sid)
-            raise
         if existed:
             self._bump(deletes=1)
         return existed
@@ -214,21 +199,16 @@ class SessionStore:
     def exists(self, session_id: str) -> bool:
         """Whether either object of the session is stored. Raises ``StoreUnavailable``."""
         sid = check_session_id(session_id)
-        try:
+        with self._counting_faults(sid):
             return self._exists(sid)
-        except SessionStoreError as err:
-            self._fault(err, sid)
-            raise
 
     def list_sessions(self) -> list[str]:
         """Ids of the sessions stored under the root, sorted. Raises ``StoreUnavailable``."""
         try:
-            names = self._op("ls", self.root, detail=False)
+            with self._counting_faults(None):
+                names = self._op("ls", self.root, detail=False)
         except FileNotFoundError:
             return []
-        except SessionStoreError as err:
-            self._fault(err, None)
-            raise
         ids = set()
         for name in names:
             base = str(name).rstrip("/").rsplit("/", 1)[-1]
@@ -248,6 +228,23 @@ class SessionStore:
 
     def _key(self, session_id: str, suffix: str) -> str:
         return f"{self.root}/{session_id}{suffix}"
+
+    @contextlib.contextmanager
+    def _counting_faults(self, sid: str | None) -> Iterator[None]:
+        """Count and log a ``SessionStoreError`` raised in the block (``_fault``), then let it go on to the caller."""
+        try:
+            yield
+        except SessionStoreError as err:
+            self._fault(err, sid)
+            raise
+
+    def _load(self, sid: str, suffix: str, decoder: Callable[..., _Obj], expect: Mapping[str, Any] | None) -> _Obj:
+        """Read and decode one of ``sid``'s objects; ``ForeignRecord`` when it is another session's."""
+        obj = decoder(self._read(self._key(sid, suffix), sid), expect=expect)
+        if obj.session_id != sid:
+            what = f"the record under {sid!r} is" if suffix == RECORD_SUFFIX else f"the tokens under {sid!r} are"
+            raise ForeignRecord(f"{what} session {obj.session_id!r}'s", session_id=sid)
+        return obj
 
     def _exists(self, sid: str) -> bool:
         for suffix in (TOKENS_SUFFIX, RECORD_SUFFIX):
