@@ -364,9 +364,12 @@ class SessionTiers:
                 if item[2] is not None:  # the record did not land: only what the request carries is left
                     self.parked.pop(item[1], None)
                     self._fault(item[2])
+                else:
+                    self._store_answered()
             elif kind == "deleted":
                 if item[2] is None:
                     self._unconfirmed_deletes.discard(item[1])
+                    self._store_answered()
                 else:
                     self._fault(item[2])
 
@@ -374,6 +377,11 @@ class SessionTiers:
         self.faults[err.kind] += 1
         if isinstance(err, StoreUnavailable):  # do not make every new session wait on a store that is down
             self._store_down_until = time.monotonic() + self.options.store_backoff_s
+
+    def _store_answered(self) -> None:
+        """A store that took a write or a delete is back: sessions read from it again, without waiting out the
+        backoff a fault set."""
+        self._store_down_until = 0.0
 
     def wait_for_restores(self, timeout_s: float) -> None:
         """Block briefly for a restore when nothing else can run (no busy loop while a record is read)."""
@@ -393,6 +401,7 @@ class SessionTiers:
             else:
                 self.misses += 1
             return
+        self._store_answered()
         kv = self._kv_from_record(seq, record)
         ctrl = BudgetState(budget=record.controller.get("budget", kv.budget) or kv.budget,
                            uncertain=bool(record.controller.get("uncertain", False)),
