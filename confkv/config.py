@@ -42,6 +42,14 @@ class CachePolicy(BaseModel):
     gap_threshold: float = Field(0.15, ge=0, le=1, description="top-1 minus top-2 probability below which: uncertain")
     scaling_factor: float = Field(0.8, gt=0, le=1, description="1.0 keeps the budget still; lower moves it faster")
     min_recent: int = Field(512, ge=0, description="most recent tokens never evicted")
+    recent_share: float = Field(
+        0.0, ge=0, le=1, description="share of the applied budget kept as the most recent tokens (at least min_recent)"
+    )
+    expand_by: Literal["budget", "recall"] = Field(
+        "budget",
+        description="what an expansion grows: the applied budget (recalled blocks, then new tokens fill it), or only "
+        "the blocks recall brings back that draw at least a resident block's average attention",
+    )
     sink_tokens: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     compact_interval: int = Field(50, ge=1, description="tokens between budget contractions")

@@ -494,16 +494,26 @@ class LLMEngine:
         if sched.tripped:
             sched.refused_expansions += 1
             return False
-        new = min(budget, kv.budget + sched.expansion_room(seq))
+        room = sched.expansion_room(seq)
+        new = min(budget, kv.budget + room)
         if new <= kv.budget:
             sched.refused_expansions += 1
             return False
-        kv.budget = new
+        by_recall = seq.controller.policy.expand_by == "recall"
+        if not by_recall:
+            kv.budget = new
         if not seq.prompt_done or not kv.prompt_trimmed or seq.last_query is None:
             return False
         if res is not None and seq.seq_id not in res.captured:
             return False
-        return bool(self.manager.recall(kv, *seq.last_query))
+        if not by_recall:
+            return bool(self.manager.recall(kv, *seq.last_query))
+        # grow by what recall brings back and is worth it, nothing more: new tokens do not fill a raised budget
+        old = kv.budget
+        kv.budget = new
+        back = self.manager.recall(kv, *seq.last_query, min_share=1.0)
+        kv.budget = max(old, float(kv.table.resident_tokens())) if back else old
+        return bool(back)
 
     def resize(self, request_id: str, budget: float) -> None:
         """Set a live sequence's budget now, between steps: contract by evicting, expand (as far as memory allows)

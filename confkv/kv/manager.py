@@ -238,7 +238,8 @@ class CacheManager:
     def _evictable(self, kv: SequenceKV) -> list[int]:
         c, bs, table = kv.controller, self.block_size, kv.table
         first_unprotected = math.ceil(c.sink_tokens / bs)
-        first_recent = max(0, table.num_tokens - max(1, c.protected_recent)) // bs
+        recent = max(c.protected_recent, int(c.policy.recent_share * kv.budget)) if kv.budget != math.inf else 0
+        first_recent = max(0, table.num_tokens - max(1, recent)) // bs
         return [i for i in range(first_unprotected, min(first_recent, len(table))) if table.entries[i] >= 0]
 
     def evict_to(self, kv: SequenceKV, target: float) -> int:
@@ -326,13 +327,21 @@ class CacheManager:
                 owner.stats.host_bytes = self.host.bytes_of(sid)
 
     # --------------------------------------------------------------------------------------------------- recall
-    def recall(self, kv: SequenceKV, q: torch.Tensor, lse: torch.Tensor, max_blocks: int | None = None) -> list[int]:
+    def recall(
+        self,
+        kv: SequenceKV,
+        q: torch.Tensor,
+        lse: torch.Tensor,
+        max_blocks: int | None = None,
+        min_share: float = 0.0,
+    ) -> list[int]:
         """Bring back the host blocks the current query would attend to most, up to the applied budget.
 
         ``q``: ``[layers, kv_heads, groups, head_dim]`` (after RoPE), ``lse``: ``[layers, kv_heads, groups]``, the
         log-sum-exp of the query's attention logits over the resident keys. A host token's would-be attention
         weight is ``exp(logit - logaddexp(lse_resident, lse_host))``; a block's score is that summed over its
-        tokens, heads and layers. ``max_blocks`` bounds the blocks taken from the pool (free memory).
+        tokens, heads and layers. ``max_blocks`` bounds the blocks taken from the pool (free memory); ``min_share``
+        leaves out blocks that would draw less than that share of a resident block's average attention.
         """
         table, bs = kv.table, self.block_size
         host_idx = table.host_indices()
@@ -349,6 +358,13 @@ class CacheManager:
         lse_host = torch.logsumexp(logits.flatten(-2), dim=-1)
         lse_all = torch.logaddexp(lse.to("cpu", torch.float32), lse_host)
         mass = (logits - lse_all[..., None, None]).exp().sum(dim=(0, 1, 2, 4))  # [n_host]
+        # a block's fair share: what an average resident block draws (every layer and head spreads a total of 1)
+        fair_share = q.shape[0] * q.shape[1] * q.shape[2] / max(1, len(table.resident_indices()))
+        if min_share > 0:
+            n = min(n, int((mass >= min_share * fair_share).sum()))
+            if n <= 0:
+                self.recall_queries += 1
+                return []
         top = mass.topk(n)
         chosen = sorted(host_idx[j] for j in top.indices.tolist())
         ids = self.pool.allocate(n)
@@ -356,9 +372,7 @@ class CacheManager:
         self.pool.write_blocks(ids, k, v, score)
         for i, block in zip(chosen, ids, strict=True):
             table.entries[i] = block
-        # a hit: the block draws at least a resident block's average share of the attention
-        fair_share = q.shape[0] * q.shape[1] * q.shape[2] / max(1, len(table.resident_indices()))
-        hits = int((top.values >= fair_share).sum())
+        hits = int((top.values >= fair_share).sum())  # a hit: at least a resident block's average share
         kv.stats.recalled_blocks += n
         kv.stats.recall_hits += hits
         kv.stats.host_bytes = self.host.bytes_of(kv.seq_id)
