@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from confkv.bench.suite import git_commit
+from confkv.bench.workloads import render_chat
 from confkv.model_loader import LoadedModel, load_model, resolve_device
 
 #: Eight chat prompts of different lengths, the same for engine and Hugging Face runs.
@@ -57,10 +58,7 @@ def load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
 
 
 def chat_ids(loaded: LoadedModel, prompt: str) -> list[int]:
-    ids = loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(render_chat(loaded.tokenizer, [{"role": "user", "content": prompt}]))
 
 
 def report(args: argparse.Namespace, result: dict) -> None:

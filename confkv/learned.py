@@ -200,15 +200,6 @@ def legacy_space(bounds: dict[str, Any] | None = None) -> KnobSpace:
                      tuple(float(b[n][1]) for n in THRESHOLD_NAMES))  # fmt: skip
 
 
-def knobs_from_action(action: Any, space: KnobSpace | None = None) -> dict[str, float]:
-    """The knobs of an action in ``space`` (default: format 1's three thresholds)."""
-    return (space or legacy_space()).knobs(action)
-
-
-def action_from_knobs(knobs: dict[str, float], space: KnobSpace | None = None) -> np.ndarray:
-    return (space or legacy_space()).action(knobs)
-
-
 def dynamic_update(budget: float, s: StepSignals, knobs: Sequence[float]) -> tuple[float, bool]:
     """One step of the dynamic rule under ``knobs`` (``KNOB_NAMES`` order), with the very arithmetic of
     ``DynamicController.update``, so a replay here equals what the engine's controller computed."""

@@ -188,23 +188,6 @@ def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if k != "per_episode"}
 
 
-def _plot_curve(xs: list[float], ys: list[float], xlabel: str, ylabel: str, title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(xs, ys, marker=".", lw=1)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _scorers(args: argparse.Namespace) -> list[str]:
     from confkv.scorers import SCORER_NAMES
 

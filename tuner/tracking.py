@@ -34,16 +34,18 @@ def _quiet() -> None:
 @functools.cache
 def git_commit() -> dict[str, str]:
     """The commit the running code comes from, and whether tracked files differ from it ({} outside a checkout)."""
+    from confkv.bench.suite import git_commit as head_commit
+
     root = Path(__file__).resolve().parents[1]
+    commit = head_commit(short=False, cwd=root)
+    if commit == "unknown":
+        return {}
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return {}
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, timeout=10)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return {}
-    return {"commit": head.stdout.strip(), "dirty": "true" if dirty.stdout.strip() else "false"}
+    return {"commit": commit, "dirty": "true" if dirty.stdout.strip() else "false"}
 
 
 def metric_key(name: str) -> str:

@@ -155,12 +155,15 @@ def baseline_policy(dynamic: CachePolicy, name: str, budget: int | None = None) 
     )
 
 
-def git_commit() -> str:
+def git_commit(short: bool = True, cwd: str | Path | None = None) -> str:
+    """The commit HEAD names in the checkout at ``cwd`` (default: the working directory), abbreviated or in full;
+    ``unknown`` outside a checkout or without git."""
+    cmd = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def _nvml_peak(device: torch.device) -> int | None:
@@ -461,45 +464,7 @@ class Evaluator:
             out["rougeL_vs_full"] = rouge_l(out["texts"], full_texts)
         return out, usage
 
-    # ---------------------------------------------- the measures as one policy's dict (the shapes callers rely on)
-    def teacher_forced(self, policy: CachePolicy) -> dict[str, Any]:
-        """Perplexity on prose; KL and resident KV (mean and peak) over prose, long generations and chats."""
-        out: dict[str, Any] = {}
-        usages = []
-        kl = tokens = 0.0
-        for name in TEACHER_FORCED:
-            metrics, usage = self.score_workload(policy, name)
-            usages.append(usage)
-            if name == "prose":
-                out.update({k: metrics[k] for k in ("ppl", "ppl_full", "ppl_delta_rel")})
-            out[f"{name}_kv_fraction"] = usage.fraction_mean
-            out[f"{name}_kv_fraction_peak"] = usage.peak_fraction
-            out[f"{name}_kl_mean"] = metrics["kl_mean"]
-            kl += metrics["kl_sum"]
-            tokens += metrics["tokens"]
-        total = Usage.combine(usages)
-        out["kv_fraction_mean"] = total["kv_fraction_mean"]
-        out["kv_fraction_peak"] = total["kv_fraction_peak"]
-        out["kl_mean"] = kl / tokens
-        return out
-
-    def retrieval(self, policy: CachePolicy) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in RETRIEVAL:
-            metrics, usage = self.retrieve(policy, name)
-            out[f"{name}_acc"] = metrics["acc"]
-            out[f"{name}_kv_fraction"] = usage.fraction_mean
-            if name == "passkey":
-                out["passkey_grid"] = metrics["grid"]
-        return out
-
-    def free_generation(self, policy: CachePolicy, full_texts: list[str] | None) -> dict[str, Any]:
-        """Long answers generated freely: speed, a per-token trace, resident KV, and (given full's texts)
-        BLEU/ROUGE."""
-        out, usage = self.generate_long(policy, full_texts)
-        out["kv"] = usage.summary()
-        return out
-
+    # ------------------------------------------------------------------------------------- serving measure
     def batch_throughput(self, policy: CachePolicy) -> dict[str, Any]:
         """Requests/s under a KV pool that holds at most a third of ``max_batch_size`` full-cache sequences."""
         b = self.spec.batch

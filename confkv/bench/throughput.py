@@ -32,6 +32,7 @@ import torch
 from confkv.bench.corpus import split_passage
 from confkv.bench.suite import git_commit, scaled_dynamic
 from confkv.bench.textmetrics import rouge_l
+from confkv.bench.workloads import render_chat
 from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
 from confkv.engine.llm import LLM
 from confkv.engine.params import SamplingParams
@@ -92,11 +93,9 @@ def make_requests(tokenizer: Any, spec: ThroughputSpec, seed: int = 0) -> list[S
     return out
 
 
-def _chat(tokenizer: Any, excerpt: str, task: str) -> list[int]:
+def _chat(tokenizer: Any, excerpt: str, task: str) -> tuple[int, ...]:
     content = f"Read this excerpt of the Python documentation.\n\n{excerpt}\n\n{task}"
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                        tokenize=True)  # fmt: skip
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return render_chat(tokenizer, [{"role": "user", "content": content}])
 
 
 def with_poisson_arrivals(requests: list[StreamRequest], rate: float, seed: int = 0) -> list[StreamRequest]:

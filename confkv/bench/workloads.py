@@ -126,7 +126,7 @@ def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in tokenizer(text)["input_ids"])
 
 
-def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[int, ...]:
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[int, ...]:
     """The chat template's ids; transformers returns a list or (newer versions) a BatchEncoding."""
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):
@@ -476,7 +476,7 @@ def _longgen(tokenizer: Any, split: str, n: int, seed: int, *, max_tokens: int) 
                 workload="longgen",
                 item_id=_item_id("longgen", split, i),
                 split=split,
-                prompt_ids=_render_chat(tokenizer, [{"role": "user", "content": text}]),
+                prompt_ids=render_chat(tokenizer, [{"role": "user", "content": text}]),
                 max_tokens=max_tokens,
                 meta={"kind": kind, "topic": topic},
             )
@@ -722,7 +722,7 @@ def _chat(
         else:
             pastes = [(rng.choice(leadins), rng.choice(replies), rng.getrandbits(64)) for _ in range(turns - 2)]
             skeleton = [m for lead, reply, _ in pastes for m in _paste_turn(lead, "", reply)]
-            fixed = len(_render_chat(tokenizer, opening + skeleton + final))
+            fixed = len(render_chat(tokenizer, opening + skeleton + final))
             per_turn = (length - fixed) // len(pastes)
             if per_turn < _MIN_PASTE_TOKENS:
                 raise ValueError(
@@ -737,7 +737,7 @@ def _chat(
                 workload="chat",
                 item_id=_item_id("chat", split, i),
                 split=split,
-                prompt_ids=_render_chat(tokenizer, opening + middle + final),
+                prompt_ids=render_chat(tokenizer, opening + middle + final),
                 max_tokens=max_tokens,
                 meta={"turns": turns, "scenario": scenario.name, "length": length},
             )
