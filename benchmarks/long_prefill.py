@@ -1,0 +1,56 @@
+"""Time to read one long prompt under ``full`` and under evicting policies: an evicting policy must read a prompt
+longer than its ``max_size`` in the engine's token-budget chunks (trimmed between chunks), not a block per step.
+
+    python benchmarks/long_prefill.py --tokens 3000 --policies full,dynamic,streaming --repeats 2
+
+One chat prompt of ``--tokens`` tokens (held-out documentation and a question) is generated to a single token;
+the best of ``--repeats`` wall times is reported per policy, with its ratio to ``full``'s.
+"""
+
+from __future__ import annotations
+
+import time
+
+from common import load, parser, report, setup
+
+from confkv import LLM, SamplingParams
+from confkv.bench.corpus import split_passage
+from confkv.bench.workloads import render_chat
+
+
+def long_prompt(tokenizer, tokens: int) -> list[int]:
+    ids = tokenizer(split_passage(6 * tokens, 0, "heldout"), add_special_tokens=False)["input_ids"]
+    shell = len(render_chat(tokenizer, [{"role": "user", "content": "Summarise this.\n\n"}]))
+    text = tokenizer.decode(ids[: max(16, tokens - shell)])
+    return list(render_chat(tokenizer, [{"role": "user", "content": f"Summarise this.\n\n{text}"}]))
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--tokens", type=int, default=3000)
+    p.add_argument("--policies", default="full,dynamic,streaming")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    args = p.parse_args()
+    device, env = setup(args)
+    loaded = load(args, device)
+    prompt = long_prompt(loaded.tokenizer, args.tokens)
+    result: dict = {**env, "prompt_tokens": len(prompt), "max_num_batched_tokens": args.max_num_batched_tokens}
+    one = SamplingParams(max_tokens=1)
+    for policy in args.policies.split(","):
+        llm = LLM(args.model, policy, loaded=loaded, kv_cache_memory="1GiB",
+                  max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            llm.generate([prompt], one)
+            times.append(time.perf_counter() - t0)
+        result[f"{policy}_prefill_s"] = min(times)
+    for policy in args.policies.split(","):
+        if "full_prefill_s" in result:
+            result[f"{policy}_vs_full"] = result[f"{policy}_prefill_s"] / result["full_prefill_s"]
+    report(args, result)
+
+
+if __name__ == "__main__":
+    main()
