@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--arrival-rate", type=float, default=None, help="throughput suite: poisson requests/s")
     bench.add_argument("--requests", type=int, default=None, help="throughput suite: number of requests (48)")
     bench.add_argument("--no-hf", action="store_true", help="throughput suite: skip Hugging Face static batching")
+    bench.add_argument(
+        "--max-tokens", type=int, default=None,
+        help="throughput suite: every request generates this many tokens (prompts and pool as drawn); 1 times prompt "
+        "reading alone",
+    )  # fmt: skip
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (streaming, /metrics)")
     _add_model_args(serve)
@@ -311,9 +316,9 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
         load_policy_file(f)
     spec = TINY_THROUGHPUT if args.model == "tiny-random" else ThroughputSpec()
-    changes = {"arrival_rate": args.arrival_rate, "requests": args.requests}
+    changes = {"arrival_rate": args.arrival_rate, "requests": args.requests, "max_tokens": args.max_tokens}
     if any(v is not None and v <= 0 for v in changes.values()):
-        raise ConfkvError("--arrival-rate and --requests must be positive")
+        raise ConfkvError("--arrival-rate, --requests and --max-tokens must be positive")
     spec = dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
     results = run_throughput(
         args.model, policies, policy_files=args.policy_file, spec=spec, scenarios=scenarios, hf=not args.no_hf,

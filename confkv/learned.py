@@ -324,7 +324,8 @@ class MLPPolicy:
             doc["knob_bounds"] = space.bounds()  # for readers of format 1
         doc.update({**self.meta, **(extra or {})})
         (folder / "policy.json").write_text(json.dumps(doc, indent=2))
-        policy = base_policy.replace(controller="learned", learned_path=".")
+        # the scorer is named: it was the base policy's while training, whatever learned's default is
+        policy = base_policy.replace(controller="learned", learned_path=".", scorer=base_policy.effective_scorer)
         import yaml
 
         (folder / "policy.yaml").write_text(yaml.safe_dump({"cache_policy": policy.model_dump(mode="json")}))

@@ -60,6 +60,9 @@ class ThroughputSpec:
     max_num_batched_tokens: int = 512
     arrival_rate: float = 0.15  # requests/s of the poisson scenario
     scale: float = 0.25  # the requirement's dynamic sizes times this (base 256, max 1024, 128 recent)
+    #: every request generates this many tokens instead of its drawn length (prompts and pool unchanged): 1 times
+    #: prompt reading alone
+    max_tokens: int | None = None
 
 
 #: For tiny-random (tests, CI): the same shape at toy sizes.
@@ -89,7 +92,8 @@ def make_requests(tokenizer: Any, spec: ThroughputSpec, seed: int = 0) -> list[S
         room = max(16, target - len(shell))
         excerpt = tokenizer.decode(ids[:room])
         prompt = _chat(tokenizer, excerpt, task)
-        out.append(StreamRequest(tuple(prompt[: spec.prompt_tokens[1]]), rng.randint(*spec.output_tokens)))
+        drawn = rng.randint(*spec.output_tokens)
+        out.append(StreamRequest(tuple(prompt[: spec.prompt_tokens[1]]), spec.max_tokens or drawn))
     return out
 
 
@@ -394,14 +398,16 @@ def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dic
     paths["results"].write_text(json.dumps(results, indent=2))
 
     s = results["settings"]
+    outputs = f"outputs {s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (mean {s['output_tokens_mean']:.0f})"
+    if s.get("max_tokens"):
+        outputs = f"outputs of {s['max_tokens']} tokens each"
     lines = [
         f"# Throughput: {results['model']} ({results['created']}, commit `{results['commit']}`)",
         "",
         f"{s['requests']} requests, prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} tokens (mean "
-        f"{s['prompt_tokens_mean']:.0f}), outputs {s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (mean "
-        f"{s['output_tokens_mean']:.0f}); KV pool {s['kv_cache_memory_bytes'] / 2**20:.0f} MiB = {s['full_fits']} "
-        f"full-cache sequences of the longest request; max_batch_size {s['max_batch_size']}; {s['device']}, "
-        f"{s['threads']} threads; {s['seconds']:.0f} s in all.",
+        f"{s['prompt_tokens_mean']:.0f}), {outputs}; KV pool {s['kv_cache_memory_bytes'] / 2**20:.0f} MiB = "
+        f"{s['full_fits']} full-cache sequences of the longest request; max_batch_size {s['max_batch_size']}; "
+        f"{s['device']}, {s['threads']} threads; {s['seconds']:.0f} s in all.",
     ]
     for scenario, sec in _sections(results):
         title = "all requests submitted at the start" if scenario == "burst" else (

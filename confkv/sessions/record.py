@@ -32,7 +32,8 @@ and 9 are within 2% of level 3. Encoding costs about 15 ms per MiB of KV on this
 safetensors, zstd, sha256), decoding less. KV mantissas are close to random; what compresses is the sign and
 exponent bits (a larger share of each bfloat16 value, hence its higher ratio) and the token ids. A
 byte-shuffle filter before zstd gained only about 5% in a one-off trial: not worth a second format. Trained
-weights give other statistics: ``--model smollm2-135m`` measures that model (not run here).
+weights compress less: ``--model smollm2-135m --tokens 1024`` (45 MiB of float32 KV) gives 1.084 in float32 (the
+record 0.92x the raw K+V bytes; 400 ms to encode, 132 ms to decode), 1.277 in bfloat16, 1.085 in float16.
 """
 
 from __future__ import annotations
