@@ -79,6 +79,22 @@ def test_bench_throughput_tiny_writes_everything(tmp_path, capsys):
     assert set(results["running_trace"]) == {"burst", "poisson"}
 
 
+def test_throughput_max_tokens_keeps_the_prompts_and_sets_every_output(capsys):
+    """``--max-tokens 1`` times prompt reading alone: the same prompts as the full run, each generating one token."""
+    import dataclasses
+
+    from confkv.bench.throughput import TINY_THROUGHPUT, make_requests
+    from tests.conftest import fresh_tiny
+
+    tok = fresh_tiny().tokenizer
+    drawn = make_requests(tok, TINY_THROUGHPUT)
+    fixed = make_requests(tok, dataclasses.replace(TINY_THROUGHPUT, max_tokens=1))
+    assert [r.prompt_ids for r in fixed] == [r.prompt_ids for r in drawn]
+    assert {r.max_tokens for r in fixed} == {1} and len({r.max_tokens for r in drawn}) > 1
+    args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--out", "unused", "--max-tokens", "0"]
+    assert main(args) == 2 and "--max-tokens must be positive" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------ standard suite
 
 WORKLOAD_MEASURES = ("prose", "longgen", "chat", "passkey", "multikey", "longgen_free")
