@@ -42,7 +42,7 @@ BASELINES = ("streaming", "h2o", "snapkv")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """``name`` from VARIANTS, or ``name:key=value,key=value`` for an ad-hoc one."""
+    """``name`` from VARIANTS, or ``name:key=value;key=value`` for an ad-hoc one (JSON values where they parse)."""
     name, _, rest = spec.partition(":")
     if not rest:
         return name, VARIANTS[name]

@@ -494,20 +494,17 @@ class LLMEngine:
         if sched.tripped:
             sched.refused_expansions += 1
             return False
-        room = sched.expansion_room(seq)
-        new = min(budget, kv.budget + room)
+        new = min(budget, kv.budget + sched.expansion_room(seq))
         if new <= kv.budget:
             sched.refused_expansions += 1
             return False
-        by_recall = seq.controller.policy.expand_by == "recall"
-        if not by_recall:
+        can_recall = (seq.prompt_done and kv.prompt_trimmed and seq.last_query is not None
+                      and (res is None or seq.seq_id in res.captured))  # fmt: skip
+        if seq.controller.policy.expand_by == "budget":
             kv.budget = new
-        if not seq.prompt_done or not kv.prompt_trimmed or seq.last_query is None:
+            return can_recall and bool(self.manager.recall(kv, *seq.last_query))
+        if not can_recall:
             return False
-        if res is not None and seq.seq_id not in res.captured:
-            return False
-        if not by_recall:
-            return bool(self.manager.recall(kv, *seq.last_query))
         # grow by what recall brings back and is worth it, nothing more: new tokens do not fill a raised budget
         old = kv.budget
         kv.budget = new

@@ -238,7 +238,9 @@ class CacheManager:
     def _evictable(self, kv: SequenceKV) -> list[int]:
         c, bs, table = kv.controller, self.block_size, kv.table
         first_unprotected = math.ceil(c.sink_tokens / bs)
-        recent = max(c.protected_recent, int(c.policy.recent_share * kv.budget)) if kv.budget != math.inf else 0
+        recent = c.protected_recent
+        if c.policy.recent_share and kv.budget != math.inf:
+            recent = max(recent, int(c.policy.recent_share * kv.budget))
         first_recent = max(0, table.num_tokens - max(1, recent)) // bs
         return [i for i in range(first_unprotected, min(first_recent, len(table))) if table.entries[i] >= 0]
 
@@ -359,11 +361,10 @@ class CacheManager:
         lse_all = torch.logaddexp(lse.to("cpu", torch.float32), lse_host)
         mass = (logits - lse_all[..., None, None]).exp().sum(dim=(0, 1, 2, 4))  # [n_host]
         # a block's fair share: what an average resident block draws (every layer and head spreads a total of 1)
-        fair_share = q.shape[0] * q.shape[1] * q.shape[2] / max(1, len(table.resident_indices()))
+        heads = q.shape[0] * q.shape[1] * q.shape[2]
         if min_share > 0:
-            n = min(n, int((mass >= min_share * fair_share).sum()))
+            n = min(n, int((mass >= min_share * heads / max(1, len(table.resident_indices()))).sum()))
             if n <= 0:
-                self.recall_queries += 1
                 return []
         top = mass.topk(n)
         chosen = sorted(host_idx[j] for j in top.indices.tolist())
@@ -372,7 +373,8 @@ class CacheManager:
         self.pool.write_blocks(ids, k, v, score)
         for i, block in zip(chosen, ids, strict=True):
             table.entries[i] = block
-        hits = int((top.values >= fair_share).sum())  # a hit: at least a resident block's average share
+        # a hit: at least the average share of a resident block, the recalled ones included
+        hits = int((top.values >= heads / len(table.resident_indices())).sum())
         kv.stats.recalled_blocks += n
         kv.stats.recall_hits += hits
         kv.stats.host_bytes = self.host.bytes_of(kv.seq_id)
