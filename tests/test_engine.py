@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from confkv import LLM, CachePolicy, SamplingParams
 from confkv.errors import ConfkvError
 
-from .conftest import hf_greedy
+from .conftest import fresh_tiny, hf_greedy
 
 PROMPTS = [
     "Hi",
@@ -160,3 +162,33 @@ def test_unknown_model_and_policy():
         LLM("/nonexistent/model")
     with pytest.raises(ConfkvError, match="unknown policy"):
         LLM("tiny-random", "magic")
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o"])
+def test_never_written_pool_memory_cannot_reach_attention(policy):
+    """Decode attention reads whole blocks, unfilled tails included: memory never written (which ``torch.empty``
+    may hand out as NaN) must not leak into any output. The pool is poisoned as a fresh process might find it."""
+    # lengths that leave blocks part-filled
+    prompts = PROMPTS[:3]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0) for n in (21, 9, 14)]
+    clean = LLM("tiny-random", policy, loaded=fresh_tiny(), max_batch_size=3, kv_cache_memory="8MiB")
+    expected = [o.token_ids for o in clean.generate(prompts, params)]
+    llm = LLM("tiny-random", policy, loaded=fresh_tiny(), max_batch_size=3, kv_cache_memory="8MiB")
+    pool = llm.engine.pool
+    pool.k.fill_(float("nan"))
+    pool.v.fill_(float("nan"))
+    pool._zeroed = [False] * pool.num_blocks
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
+    assert all(math.isfinite(t.logprob) for o in outs for t in o.logprobs)
+
+
+def test_allocator_thresholds_are_set_once_on_glibc():
+    import platform
+
+    from confkv.engine.allocator import keep_freed_memory
+
+    expected = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert keep_freed_memory() is expected
+    assert keep_freed_memory() is expected

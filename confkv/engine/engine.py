@@ -29,6 +29,7 @@ import torch
 from confkv.confidence import confidence_signals
 from confkv.config import CachePolicy, EngineConfig
 from confkv.controllers import Controller, StepSignals, make_controller
+from confkv.engine.allocator import keep_freed_memory
 from confkv.engine.params import SamplingParams
 from confkv.engine.runner import ForwardResult, ModelRunner
 from confkv.engine.sampler import sample
@@ -107,6 +108,7 @@ class LLMEngine:
         else:
             self.device = resolve_device(config.device)
         impl = attention.register()
+        keep_freed_memory()
         self.loaded = loaded or load_model(
             config.model, device=self.device, dtype=config.dtype, cache_dir=config.cache_dir, seed=config.seed
         )

@@ -56,7 +56,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         resident: list[int] = []
-        decode_keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        decode_blocks: list[tuple[list[int], list[int]]] = []  # per decode row: (device block ids, logical indices)
+        decode_replace: list[int] = []  # decode rows whose recorded attention replaces the slots' previous mass
         decode_qpos: list[int] = []
         replace: list[torch.Tensor] = []  # slots whose recorded attention this pass replaces rather than adds to
         decode_track: list[float] = []
@@ -74,8 +75,7 @@ class ModelRunner:
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(table.slots(start, start + n))
-            key_slots, key_pos = table.resident_slots(start + n, device)
-            resident.append(int(key_slots.numel()))
+            resident.append(table.resident_tokens(start + n))
             if seq.seq_id in all_rows:
                 spans.append((len(sample_rows), n))
                 sample_rows.extend(range(row, row + n))
@@ -88,13 +88,14 @@ class ModelRunner:
                 sampling.append(chunk)
             decode_mode = controller.decode_attention if track else "none"
             if n == 1:
-                decode_keys.append((key_slots, key_pos))
+                if decode_mode == "replace":
+                    decode_replace.append(len(decode_blocks))
+                decode_blocks.append(table.resident_blocks(start + n))
                 decode_qpos.append(start)
                 decode_track.append(0.0 if decode_mode == "none" else 1.0)
-                if decode_mode == "replace":
-                    replace.append(key_slots)
                 capture_decode = capture_decode or seq.seq_id in capture
             else:
+                key_slots, key_pos = table.resident_slots(start + n, device)
                 if chunk.samples and seq.seq_id in capture:
                     prefill_captures.append(seq.seq_id)
                 mode = controller.prefill_attention if track else "none"
@@ -128,23 +129,27 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             prefills=prefills,
         )
-        if decode_keys:
-            nd = len(decode_keys)
-            width = max(k.numel() for k, _ in decode_keys)
-            key_slots = torch.empty((nd, width), dtype=torch.long, device=device)
-            key_pos = torch.zeros((nd, width), dtype=torch.long, device=device)
-            valid = torch.zeros((nd, width), dtype=torch.bool, device=device)
-            for r, (ks, kp) in enumerate(decode_keys):
-                m = ks.numel()
-                key_slots[r, :m] = ks
-                key_slots[r, m:] = ks[-1]  # padding points at a real token; its weight is masked to zero
-                key_pos[r, :m] = kp
-                valid[r, :m] = True
+        if decode_blocks:
+            nd = len(decode_blocks)
+            bs = self.pool.block_size
+            width = max(len(b) for b, _ in decode_blocks)
+            # padding repeats a row's last block (a real one) and is masked out by ``valid``
+            blocks = torch.tensor([b + b[-1:] * (width - len(b)) for b, _ in decode_blocks], dtype=torch.long)
+            logical = torch.tensor([i + i[-1:] * (width - len(i)) for _, i in decode_blocks], dtype=torch.long)
+            filled = torch.tensor([len(b) for b, _ in decode_blocks], dtype=torch.long)
+            qpos = torch.tensor(decode_qpos, dtype=torch.long)
+            offsets = torch.arange(bs)
+            key_pos = (logical[:, :, None] * bs + offsets).reshape(nd, width * bs)
+            real = (torch.arange(width)[None, :] < filled[:, None]).repeat_interleave(bs, dim=1)
+            valid = real & (key_pos <= qpos[:, None])
+            key_slots = (blocks[:, :, None] * bs + offsets).reshape(nd, width * bs)
+            replace.extend(key_slots[r][valid[r]].to(device) for r in decode_replace)
             batch.num_decode = nd
-            batch.decode_slots = key_slots
-            batch.decode_valid = valid
-            batch.decode_pos = key_pos
-            batch.decode_qpos = torch.tensor(decode_qpos, dtype=torch.long, device=device)
+            batch.decode_blocks = blocks.to(device)
+            batch.decode_slots = key_slots.to(device)
+            batch.decode_valid = valid.to(device)
+            batch.decode_pos = key_pos.to(device)
+            batch.decode_qpos = qpos.to(device)
             batch.capture_decode = capture_decode
             if any(decode_track):
                 batch.decode_track = torch.tensor(decode_track, device=device)[:, None]
@@ -166,7 +171,7 @@ class ModelRunner:
         # captured rows: every decode row (when any decode captures), then each capturing prefill span
         captured: dict[int, int] = {}
         if capture_decode:
-            captured.update((c.seq.seq_id, r) for r, c in enumerate(chunks[: len(decode_keys)]))
+            captured.update((c.seq.seq_id, r) for r, c in enumerate(chunks[: len(decode_blocks)]))
         offset = len(captured)
         for r, sid in enumerate(prefill_captures):
             captured[sid] = offset + r

@@ -6,9 +6,10 @@ packs every scheduled token of every sequence into one row (``[1, tokens]``) and
 ``confkv_batch`` keyword of the model's forward; transformers forwards it here. Each layer then:
 
 1. writes the new keys (after RoPE) and values into their pool slots;
-2. decode tokens: gathers each sequence's resident slots into a padded batch and computes attention explicitly,
-   which yields for free the per-slot attention mass (block importance) and each head's log-sum-exp (what a
-   recall needs to score host blocks against the current query);
+2. decode tokens: gathers each sequence's resident blocks (whole blocks, one contiguous copy each; the unfilled
+   tail and the padding are masked) into a padded batch; one fused SDPA call when nothing is recorded, else
+   explicit attention, which yields the per-slot attention mass (block importance) and each head's log-sum-exp
+   (what a recall needs to score host blocks against the current query);
 3. prefill chunks: one SDPA call per chunk, causal by true positions; explicit only where the policy records
    prefill attention (H2O's accumulated attention, SnapKV's observation window).
 
@@ -58,9 +59,10 @@ class PackedBatch:
     pool: BlockPool
     slot_mapping: torch.Tensor  # [tokens] pool slot of every packed token
     num_decode: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decode, max_keys], padded with a valid slot of the row
-    decode_valid: torch.Tensor | None = None  # [num_decode, max_keys] bool
-    decode_pos: torch.Tensor | None = None  # [num_decode, max_keys] true positions of the keys (sliding windows)
+    decode_blocks: torch.Tensor | None = None  # [num_decode, max_blocks] pool blocks, padded with a block of the row
+    decode_slots: torch.Tensor | None = None  # [num_decode, max_blocks * block_size]: the blocks' slots
+    decode_valid: torch.Tensor | None = None  # [num_decode, max_blocks * block_size] bool: resident and computed
+    decode_pos: torch.Tensor | None = None  # [num_decode, max_blocks * block_size] true positions of the keys
     decode_qpos: torch.Tensor | None = None  # [num_decode] the decode tokens' positions
     decode_track: torch.Tensor | None = None  # [num_decode, 1] float: 1 where decode attention counts
     capture_decode: bool = False
@@ -90,32 +92,29 @@ def _decode_attention(
 ) -> torch.Tensor:
     """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``."""
     pool = batch.pool
-    slots = batch.decode_slots
-    keys = pool.k[layer][slots]  # [n, L, kvh, D]
-    values = pool.v[layer][slots]
+    n, bs = batch.decode_blocks.shape[0], pool.block_size
+    flat = batch.decode_blocks.reshape(-1)
+    by_block = (pool.num_blocks, bs, pool.num_kv_heads, pool.head_dim)
+    # whole blocks, [n, kvh, keys, D]: one contiguous copy per block rather than one per token
+    keys = pool.k[layer].view(by_block).index_select(0, flat).view(n, -1, *by_block[2:]).transpose(1, 2)
+    values = pool.v[layer].view(by_block).index_select(0, flat).view(n, -1, *by_block[2:]).transpose(1, 2)
     valid = batch.decode_valid
     if window is not None:
         valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
+    # GQA as plain attention: a KV head's query heads are the rows of one [groups, keys] problem
+    qg = _grouped(q, pool.num_kv_heads)  # [n, kvh, g, D]
     if batch.decode_track is None and not batch.capture_decode:
         # nothing to record: one fused kernel, no explicit weights
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :],
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=valid[:, None, None, :],
-            scale=scaling,
-            enable_gqa=True,
-        )
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid[:, None, None, :], scale=scaling)
         return out.reshape(q.shape)
-    qg = _grouped(q, pool.num_kv_heads)  # [n, kvh, g, D]
-    scores = torch.einsum("nkgd,nlkd->nkgl", qg, keys).float() * scaling
+    scores = torch.matmul(qg, keys.contiguous().transpose(-1, -2)).float() * scaling  # [n, kvh, g, keys]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     weights = (scores - lse).exp()
-    out = torch.einsum("nkgl,nlkd->nkgd", weights.to(values.dtype), values)
+    out = torch.matmul(weights.to(values.dtype), values)
     if batch.decode_track is not None and batch.score is not None:
-        mass = weights.sum(dim=(1, 2)) * batch.decode_track  # [n, L]
-        batch.score.index_add_(0, slots.reshape(-1), mass.reshape(-1))
+        mass = weights.sum(dim=(1, 2)) * batch.decode_track  # [n, keys]
+        batch.score.index_add_(0, batch.decode_slots.reshape(-1), mass.reshape(-1))
     if batch.capture_decode:
         captures[0].append(qg)
         captures[1].append(lse.squeeze(-1))

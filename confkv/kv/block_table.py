@@ -55,6 +55,15 @@ class BlockTable:
         bs = self.block_size
         return [self.entries[p // bs] * bs + p % bs for p in range(start, stop)]
 
+    def resident_blocks(self, num_tokens: int) -> tuple[list[int], list[int]]:
+        """Device block ids and logical indices of the resident blocks among the first ``num_tokens`` tokens'.
+
+        Decode attention gathers whole blocks (one contiguous copy each) and masks the unfilled tail by position,
+        which costs half of gathering the same tokens slot by slot."""
+        full = self.blocks_for(num_tokens)
+        idx = [i for i in range(full) if self.entries[i] >= 0]
+        return [self.entries[i] for i in idx], idx
+
     def resident_slots(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots and true positions of the resident tokens among the first ``num_tokens``, in position order."""
         bs = self.block_size

@@ -41,13 +41,14 @@ class BlockPool:
         self.dtype = dtype
         self.device = torch.device(device)
         slots = num_blocks * block_size
-        # torch.empty: pages are committed as tokens are written; padding in attention always points at real
-        # tokens, so uninitialised slots are never read.
+        # torch.empty: pages are committed as blocks are first handed out (``allocate`` zeroes a block then, because
+        # decode attention reads whole blocks, masked tails included, and uninitialised memory may hold NaN).
         self.k = torch.empty((num_layers, slots, num_kv_heads, head_dim), dtype=dtype, device=self.device)
         self.v = torch.empty_like(self.k)
         #: Attention mass each slot has received (summed over heads and layers); block importance for eviction.
         self.score = torch.zeros(slots, dtype=torch.float32, device=self.device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._zeroed = [False] * num_blocks
 
     @staticmethod
     def geometry(model_config: Any) -> tuple[int, int, int]:
@@ -97,6 +98,12 @@ class BlockPool:
         ids = [self._free.pop() for _ in range(n)]
         if ids:
             self.score[self.slots_of(ids)] = 0.0
+            if fresh := [b for b in ids if not self._zeroed[b]]:
+                slots = self.slots_of(fresh)
+                self.k[:, slots] = 0.0
+                self.v[:, slots] = 0.0
+                for b in fresh:
+                    self._zeroed[b] = True
         return ids
 
     def free(self, ids: list[int]) -> None:

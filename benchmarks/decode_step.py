@@ -1,0 +1,75 @@
+"""Time of one decode step with many sequences of long context, where it goes, and the page faults it takes.
+
+    python benchmarks/decode_step.py --context 512 --batch 16 --policies full,dynamic --steps 10 --profile
+
+``--batch`` sequences of ``--context`` prompt tokens (consecutive windows of README.md) are read, run 20 decode steps
+to settle, then ``--steps`` decode steps are timed. Reported per policy: milliseconds per step, decode tokens/s,
+minor page faults per step (``getrusage``: memory the C allocator handed back to the OS and faulted in again), and
+with ``--profile`` the share of the step's time in the heaviest torch operators (``torch.profiler``, self CPU
+time), which is what says whether the step is bound by the linear layers, the KV gather or attention.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+
+from common import load, parser, report, setup
+from torch.profiler import ProfilerActivity, profile
+
+from confkv import LLM, SamplingParams
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SETTLE_STEPS = 20
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--policies", default="full,dynamic")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile", action="store_true", help="add the heaviest operators' share of the step time")
+    args = p.parse_args()
+    device, env = setup(args)
+    loaded = load(args, device)
+    ids = loaded.tokenizer(README.read_text())["input_ids"]
+    if len(ids) < args.context + 37 * args.batch:
+        ids = ids * (1 + (args.context + 37 * args.batch) // len(ids))
+    prompts = [ids[i * 37 : i * 37 + args.context] for i in range(args.batch)]
+    result: dict = {**env, "context": args.context, "batch": args.batch, "steps": args.steps}
+    params = SamplingParams(max_tokens=SETTLE_STEPS + args.steps + 2, ignore_eos=True)
+    for policy in args.policies.split(","):
+        llm = LLM(args.model, policy, loaded=loaded, max_batch_size=args.batch, kv_cache_memory="2GiB")
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        for _ in range(SETTLE_STEPS):
+            engine.step()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        step_s = (time.perf_counter() - t0) / args.steps
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / args.steps
+        result[f"{policy}_step_ms"] = step_s * 1000
+        result[f"{policy}_decode_tokens_per_s"] = args.batch / step_s
+        result[f"{policy}_minor_faults_per_step"] = faults
+        if args.profile:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(args.steps):
+                    engine.step()
+            ops = prof.key_averages()
+            total = sum(op.self_cpu_time_total for op in ops)
+            for op in sorted(ops, key=lambda o: o.self_cpu_time_total, reverse=True)[:6]:
+                result[f"{policy}_share_{op.key}"] = op.self_cpu_time_total / total
+        for rid in map(str, range(args.batch)):
+            engine.abort_request(rid)
+    report(args, result)
+
+
+if __name__ == "__main__":
+    main()
