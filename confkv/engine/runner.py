@@ -142,16 +142,16 @@ class ModelRunner:
             key_pos = (logical[:, :, None] * bs + offsets).reshape(nd, width * bs)
             real = (torch.arange(width)[None, :] < filled[:, None]).repeat_interleave(bs, dim=1)
             valid = real & (key_pos <= qpos[:, None])
-            key_slots = (blocks[:, :, None] * bs + offsets).reshape(nd, width * bs)
-            replace.extend(key_slots[r][valid[r]].to(device) for r in decode_replace)
             batch.num_decode = nd
             batch.decode_blocks = blocks.to(device)
-            batch.decode_slots = key_slots.to(device)
             batch.decode_valid = valid.to(device)
             batch.decode_pos = key_pos.to(device)
             batch.decode_qpos = qpos.to(device)
             batch.capture_decode = capture_decode
-            if any(decode_track):
+            if any(decode_track):  # slots only where attention mass is recorded per slot
+                key_slots = (blocks[:, :, None] * bs + offsets).reshape(nd, width * bs)
+                replace.extend(key_slots[r][valid[r]].to(device) for r in decode_replace)
+                batch.decode_slots = key_slots.to(device)
                 batch.decode_track = torch.tensor(decode_track, device=device)[:, None]
         if (batch.decode_track is not None) or any(p.track != "none" for p in prefills):
             batch.score = torch.zeros_like(self.pool.score)

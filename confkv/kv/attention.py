@@ -60,7 +60,7 @@ class PackedBatch:
     slot_mapping: torch.Tensor  # [tokens] pool slot of every packed token
     num_decode: int = 0
     decode_blocks: torch.Tensor | None = None  # [num_decode, max_blocks] pool blocks, padded with a block of the row
-    decode_slots: torch.Tensor | None = None  # [num_decode, max_blocks * block_size]: the blocks' slots
+    decode_slots: torch.Tensor | None = None  # [num_decode, max_blocks * block_size] slots (with decode_track)
     decode_valid: torch.Tensor | None = None  # [num_decode, max_blocks * block_size] bool: resident and computed
     decode_pos: torch.Tensor | None = None  # [num_decode, max_blocks * block_size] true positions of the keys
     decode_qpos: torch.Tensor | None = None  # [num_decode] the decode tokens' positions

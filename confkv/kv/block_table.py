@@ -56,7 +56,7 @@ class BlockTable:
         return [self.entries[p // bs] * bs + p % bs for p in range(start, stop)]
 
     def resident_blocks(self, num_tokens: int) -> tuple[list[int], list[int]]:
-        """Device block ids and logical indices of the resident blocks among the first ``num_tokens`` tokens'.
+        """Device block ids and logical indices of the resident blocks among the first ``num_tokens`` tokens.
 
         Decode attention gathers whole blocks (one contiguous copy each) and masks the unfilled tail by position,
         which costs half of gathering the same tokens slot by slot."""
@@ -68,8 +68,8 @@ class BlockTable:
         """Slots and true positions of the resident tokens among the first ``num_tokens``, in position order."""
         bs = self.block_size
         full = self.blocks_for(num_tokens)
-        idx = [i for i in range(full) if self.entries[i] >= 0]
-        ids = torch.tensor([self.entries[i] for i in idx], dtype=torch.long)
+        blocks, idx = self.resident_blocks(num_tokens)
+        ids = torch.tensor(blocks, dtype=torch.long)
         offsets = torch.arange(bs)
         slots = (ids[:, None] * bs + offsets).reshape(-1)
         pos = (torch.tensor(idx, dtype=torch.long)[:, None] * bs + offsets).reshape(-1)
