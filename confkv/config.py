@@ -255,6 +255,7 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2, description="context limit; default the model's")
     seed: int = 0
     cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")
+    pack_weights: bool = Field(True, description="on CPU, run linear layers on oneDNN with weights packed once")
 
 
 def make_engine_config(values: dict[str, Any]) -> EngineConfig:

@@ -30,6 +30,7 @@ from confkv.confidence import confidence_signals
 from confkv.config import CachePolicy, EngineConfig
 from confkv.controllers import Controller, StepSignals, make_controller
 from confkv.engine.allocator import keep_freed_memory
+from confkv.engine.linear import pack_linears
 from confkv.engine.params import SamplingParams
 from confkv.engine.runner import ForwardResult, ModelRunner
 from confkv.engine.sampler import sample
@@ -114,6 +115,8 @@ class LLMEngine:
         )
         self.model = self.loaded.model
         self.model.set_attn_implementation(impl)
+        if config.pack_weights:
+            pack_linears(self.model)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
 

@@ -48,6 +48,7 @@ class LLM:
         dtype: str = "auto",
         seed: int = 0,
         cache_dir: str | None = None,
+        pack_weights: bool = True,
         loaded: LoadedModel | None = None,
         registry_url: str | None = None,
         policy_watch_interval_s: float | None = 5.0,
@@ -76,6 +77,7 @@ class LLM:
                 "max_model_len": max_model_len,
                 "seed": seed,
                 "cache_dir": cache_dir,
+                "pack_weights": pack_weights,
             }
         )
         info = None

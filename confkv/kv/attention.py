@@ -94,10 +94,12 @@ def _decode_attention(
     pool = batch.pool
     n, bs = batch.decode_blocks.shape[0], pool.block_size
     flat = batch.decode_blocks.reshape(-1)
-    by_block = (pool.num_blocks, bs, pool.num_kv_heads, pool.head_dim)
-    # whole blocks, [n, kvh, keys, D]: one contiguous copy per block rather than one per token
-    keys = pool.k[layer].view(by_block).index_select(0, flat).view(n, -1, *by_block[2:]).transpose(1, 2)
-    values = pool.v[layer].view(by_block).index_select(0, flat).view(n, -1, *by_block[2:]).transpose(1, 2)
+    # whole blocks, [n, kvh, keys, D]: one contiguous copy per block rather than one per token; the source is viewed
+    # as 2-D because index_select copies rows of a 2-D tensor with memcpy but walks a 4-D one element by element
+    by_block = (pool.num_blocks, bs * pool.num_kv_heads * pool.head_dim)
+    unpacked = (n, -1, pool.num_kv_heads, pool.head_dim)
+    keys = pool.k[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
+    values = pool.v[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
     valid = batch.decode_valid
     if window is not None:
         valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
