@@ -8,6 +8,7 @@ from torch import nn
 
 from confkv import LLM
 from confkv.engine.linear import PackedLinear, can_pack, pack_linears
+
 from .conftest import fresh_tiny
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
