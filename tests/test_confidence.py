@@ -1,0 +1,39 @@
+"""Confidence signals against their definitions, including masked (-inf) logits and half-precision input."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from confkv.confidence import confidence_signals
+
+
+def test_signals_match_their_definitions():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300) * 4
+    s = confidence_signals(logits)
+    probs = logits.softmax(-1)
+    torch.testing.assert_close(s.entropy, -(probs * probs.log()).sum(-1))
+    top = probs.topk(2, -1)
+    torch.testing.assert_close(s.top1_prob, top.values[:, 0])
+    torch.testing.assert_close(s.gap, top.values[:, 0] - top.values[:, 1])
+    assert s.top1_id.tolist() == logits.argmax(-1).tolist()
+
+
+def test_uniform_and_masked_rows():
+    logits = torch.zeros(3, 64)
+    logits[1, 8:] = float("-inf")  # 8 equally likely tokens, the rest impossible
+    logits[2, 1:] = float("-inf")  # certain
+    s = confidence_signals(logits)
+    assert torch.isfinite(s.entropy).all()
+    torch.testing.assert_close(s.entropy, torch.tensor([math.log(64), math.log(8), 0.0]))
+    assert s.gap[2].item() == 1.0 and s.top1_prob[2].item() == 1.0
+
+
+def test_half_precision_logits_give_float32_signals():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 200)
+    half = confidence_signals(logits.bfloat16())
+    assert half.entropy.dtype == torch.float32
+    torch.testing.assert_close(half.entropy, confidence_signals(logits.bfloat16().float()).entropy)
