@@ -33,6 +33,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", help="model dtype (default: float32 on CPU, bf16/fp16 on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
@@ -46,6 +47,7 @@ def setup(args: argparse.Namespace) -> tuple[torch.device, dict]:
         "model": args.model,
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "commit": git_commit(),
@@ -54,7 +56,7 @@ def setup(args: argparse.Namespace) -> tuple[torch.device, dict]:
 
 
 def load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
-    return load_model(args.model, device=device)
+    return load_model(args.model, device=device, dtype=args.dtype)
 
 
 def chat_ids(loaded: LoadedModel, prompt: str) -> list[int]:

@@ -61,6 +61,8 @@ def start_confkv(args: argparse.Namespace, policy: str) -> ServerProcess:
         flags += ["--kv-cache-memory", args.kv_cache_memory]
     if args.device:
         flags += ["--device", args.device]
+    if args.dtype:
+        flags += ["--dtype", args.dtype]
     for item in args.set if policy == "dynamic" else []:
         flags += ["--set", item]
     return ServerProcess(
@@ -96,6 +98,8 @@ def start_transformers(args: argparse.Namespace) -> tuple[ServerProcess, str]:
     port = free_port()
     cmd = [*launcher, "serve", str(folder), "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
            "--device", args.device or "cpu", "--log-level", "warning"]  # fmt: skip
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     name = "transformers serve --continuous-batching"
     url = f"http://127.0.0.1:{port}"
@@ -109,6 +113,7 @@ class RunResult:
     policy: str | None
     clients: int
     duration_s: float
+    dtype: str | None = None  # as asked for; None: the server's default
     wall_s: float = 0.0
     requests: int = 0
     errors: int = 0
@@ -261,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--device", default=None, help="cpu (default for transformers serve), cuda ...")
+    p.add_argument("--dtype", default=None, help="model dtype for either server (default: each server's own)")
     p.add_argument("--hf-python", default=str(REPO / ".venv-hf" / "bin" / "python"), help="python of .venv-hf")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             srv, model_name = start_transformers(args)
         try:
-            r = RunResult(args.target, policy, args.clients, args.duration)
+            r = RunResult(args.target, policy, args.clients, args.duration, args.dtype)
             print(f"# {srv.name}: {args.clients} clients for {args.duration:.0f}s ...", file=sys.stderr, flush=True)
             asyncio.run(run_load(srv, model_name, args, r, send_usage=args.target == "confkv"))
             results.append(r)
