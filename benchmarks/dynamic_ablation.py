@@ -33,6 +33,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "recency": {"scorer": "recency"},
     "snapkv": {"scorer": "snapkv"},
+    "h2o": {"scorer": "h2o"},
     "tova": {"scorer": "tova"},
     "knorm": {"scorer": "knorm"},
     "no-expansion": {"scaling_factor": 1.0},

@@ -21,10 +21,10 @@ CONTROLLER_NAMES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snap
 BUILTIN_POLICIES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic")
 #: The scorer each preset uses; ``dynamic``, ``learned`` and ``fixed`` take the policy's ``scorer`` key.
 PRESET_SCORERS: dict[str, str] = {"window": "recency", "streaming": "recency", "h2o": "h2o", "snapkv": "snapkv"}
-#: ``dynamic`` ranks with h2o: snapkv loses less at equal mean memory (BENCHMARKS.md, "What makes dynamic lose") but
-#: keeps a whole prompt resident until its last queries vote, so a sequence would hold more than its budget plus one
-#: chunk while reading and admission by budget would not hold; ``scorer: snapkv`` chooses it where prompts fit.
-DEFAULT_SCORER = {"dynamic": "h2o", "learned": "h2o", "fixed": "recency"}
+#: ``dynamic`` ranks with snapkv: at equal mean memory it loses less than h2o's accumulated attention on every
+#: workload measured (BENCHMARKS.md, "What makes dynamic lose"), and it records no decode attention, so decode steps
+#: keep the fused attention kernel.
+DEFAULT_SCORER = {"dynamic": "snapkv", "learned": "snapkv", "fixed": "recency"}
 #: The old ``importance`` key, still read from policy files: what each value meant, as a scorer.
 _IMPORTANCE_SCORERS = {"attention": "h2o", "recency": "recency"}
 

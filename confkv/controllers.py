@@ -78,11 +78,6 @@ class Controller(ABC):
         return self.scorer.prefill_window if self.scorer else 0
 
     @property
-    def evicts_during_prefill(self) -> bool:
-        """Whether a long prompt is trimmed chunk by chunk (bounded peak memory) or only once it is read."""
-        return self.evicts and not (self.scorer and self.scorer.needs_whole_prompt)
-
-    @property
     def sink_tokens(self) -> int:
         return self.policy.sink_tokens
 

@@ -80,7 +80,7 @@ def test_baseline_shapes():
     assert h2o.scorer.name == "h2o" and h2o.prefill_attention == "all" and h2o.protected_recent == 256
     assert h2o.decode_attention == "accumulate"
     snap = make_controller(CachePolicy(controller="snapkv", max_size=1024, min_recent=256))
-    assert snap.prefill_attention == "window" and snap.decode_attention == "none" and not snap.evicts_during_prefill
+    assert snap.prefill_attention == "window" and snap.decode_attention == "none"
 
 
 def test_recency_scorer_option():

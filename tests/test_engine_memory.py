@@ -43,7 +43,8 @@ def test_admission_reserves_whole_length_for_full_so_nothing_is_preempted(tiny):
     assert small.engine.pool.num_used == 0
 
 
-def test_small_budget_runs_many_more_sequences_than_full(tiny):
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o"])
+def test_small_budget_runs_many_more_sequences_than_full(tiny, scorer):
     """A pool that fits two full-cache sequences runs at least six dynamic ones at once, none preempted, each
     holding no more than its budget plus one block once its prompt is read."""
     prompts = [f"Request {i}: " + "the pool is shared by every sequence in the batch. " * 6 for i in range(8)]
@@ -57,7 +58,7 @@ def test_small_budget_runs_many_more_sequences_than_full(tiny):
     llm = LLM(
         "tiny-random", "dynamic", loaded=tiny, kv_cache_memory=pool_bytes, max_batch_size=8,
         max_num_batched_tokens=32, base_size=48, max_size=96, min_recent=16, sink_tokens=4, compact_interval=8,
-        entropy_threshold=100.0, gap_threshold=0.0,
+        entropy_threshold=100.0, gap_threshold=0.0, scorer=scorer,
     )  # fmt: skip
     done, running = _submit_all(llm, prompts, n_tokens)
     assert max(running) >= 6
@@ -67,12 +68,13 @@ def test_small_budget_runs_many_more_sequences_than_full(tiny):
         assert max(out.trace.resident[1:]) <= 96 + 16  # the budget (at most max_size) plus one block
 
 
-def test_dynamic_comes_down_to_its_budget_once_the_prompt_is_read(tiny):
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o"])
+def test_dynamic_comes_down_to_its_budget_once_the_prompt_is_read(tiny, scorer):
     """The first contraction does not wait for the compaction tick: right after the prompt the sequence holds
     its budget plus the new token, not max_size."""
     llm = LLM(
         "tiny-random", "dynamic", loaded=tiny, max_num_batched_tokens=128, base_size=48, max_size=256,
-        min_recent=16, compact_interval=50, entropy_threshold=100.0, gap_threshold=0.0,
+        min_recent=16, compact_interval=50, entropy_threshold=100.0, gap_threshold=0.0, scorer=scorer,
     )  # fmt: skip
     out = llm.generate(PROMPTS[4] * 2, greedy(10))[0]  # ~820 prompt tokens
     assert out.trace.resident[0] > 256  # the first token still saw max_size plus the last chunk

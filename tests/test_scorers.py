@@ -71,7 +71,7 @@ def test_presets_are_a_budget_rule_plus_a_scorer():
     for name, scorer in {"window": "recency", "streaming": "recency", "h2o": "h2o", "snapkv": "snapkv"}.items():
         c = make_controller(CachePolicy(controller=name, max_size=256, min_recent=64))
         assert c.scorer is not None and c.scorer.name == scorer and c.policy.max_size == 256
-    assert make_controller(CachePolicy(controller="dynamic")).scorer.name == "h2o"
+    assert make_controller(CachePolicy(controller="dynamic")).scorer.name == "snapkv"
     assert make_controller(CachePolicy(controller="dynamic", scorer="tova")).scorer.name == "tova"
     assert make_controller(CachePolicy(controller="fixed", scorer="knorm", max_size=256)).scorer.name == "knorm"
     assert make_controller(CachePolicy(controller="full")).scorer is None
@@ -86,7 +86,8 @@ RECORDED = json.loads((Path(__file__).parent / "data" / "preset_outputs.json").r
 @pytest.mark.parametrize("name", [n for n in RECORDED["cases"] if n != "snapkv"])
 def test_presets_reproduce_the_outputs_recorded_before_scorers(name):
     """``snapkv`` is left out on purpose: its scorer now pools the votes over neighbouring tokens (kernel 5, as
-    kvpress does), which changes what it keeps; its pooled ranking is tested above."""
+    kvpress does), which changes what it keeps; its pooled ranking is tested above. ``dynamic`` was recorded when
+    it ranked with h2o, so its case names the scorer."""
     data, case = RECORDED, RECORDED["cases"][name]
     llm = LLM("tiny-random", case["controller"], loaded=fresh_tiny(), max_batch_size=3,
               max_num_batched_tokens=data["max_num_batched_tokens"], **case["policy"])  # fmt: skip
@@ -109,3 +110,47 @@ def test_dynamic_runs_with_every_scorer(tiny, scorer):
 def test_a_bad_scorer_is_a_clear_error():
     with pytest.raises(ConfkvError, match="scorer must be one of"):
         LLM("tiny-random", "dynamic", scorer="best")
+
+
+def _votes_after_prompt(llm: LLM, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and recorded votes of the resident tokens once the prompt is read (first token sampled)."""
+    engine = llm.engine
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    seq = engine.sequence("r")
+    while not seq.output_token_ids:
+        engine.step()
+    slots, pos = seq.kv.table.resident_slots(seq.num_prompt_tokens, torch.device("cpu"))
+    return pos, engine.pool.score[slots].clone()
+
+
+def test_snapkv_votes_per_chunk_and_a_prompt_that_fits_keeps_its_last_queries_vote(tiny):
+    """Read in chunks of 16 or in one, a prompt that fits the policy ends with the same votes: each chunk's vote
+    replaces the one before, and the prompt's last window (here split over two chunks) adds up to one vote."""
+    prompt = "The vote of the last queries decides what stays. " * 4
+    policy = dict(max_size=512, min_recent=16, snapkv_window=24)
+    whole = LLM("tiny-random", "snapkv", loaded=fresh_tiny(), max_num_batched_tokens=512, **policy)
+    chunked = LLM("tiny-random", "snapkv", loaded=tiny, max_num_batched_tokens=16, **policy)
+    pos_w, votes_w = _votes_after_prompt(whole, prompt)
+    pos_c, votes_c = _votes_after_prompt(chunked, prompt)
+    assert len(pos_w) % 16 > 0 and len(pos_w) % 16 < 24  # the last window starts in the next-to-last chunk
+    assert torch.equal(pos_w, pos_c) and float(votes_w.sum()) > 0
+    torch.testing.assert_close(votes_c, votes_w, rtol=1e-4, atol=1e-5)
+
+
+def test_snapkv_trims_a_long_prompt_between_chunks_by_each_chunks_vote(tiny):
+    """A prompt five times the policy's size is never held whole: after every chunk the sequence is back at its
+    size, and what was kept was voted for by that chunk's last queries (not simply the most recent tokens)."""
+    llm = LLM("tiny-random", "snapkv", loaded=tiny, max_num_batched_tokens=32, max_size=64, min_recent=16,
+              sink_tokens=0, snapkv_window=8)  # fmt: skip
+    engine = llm.engine
+    engine.add_request("r", "Long prompts are read a chunk at a time. " * 40, SamplingParams(max_tokens=2))
+    seq = engine.sequence("r")
+    assert seq.num_prompt_tokens > 5 * 64
+    kept_old = False
+    while not seq.output_token_ids:
+        engine.step()
+        table = seq.kv.table
+        assert table.resident_tokens() <= 64 + 16  # the size plus the partly filled newest block
+        _, pos = table.resident_slots(table.num_tokens, torch.device("cpu"))
+        kept_old |= int(pos.min()) < table.num_tokens - 64  # a token older than the last 64 survived a trim
+    assert kept_old

@@ -100,16 +100,23 @@ class ModelRunner:
                     prefill_captures.append(seq.seq_id)
                 mode = controller.prefill_attention if track else "none"
                 window = controller.prefill_window
+                end = start + n
+                window_start = (seq.num_prompt_tokens if start < seq.num_prompt_tokens else end) - window
                 if start >= seq.num_prompt_tokens:  # a teacher-forced chunk of output: decode-time rules
                     mode, window = {"none": ("none", 0), "accumulate": ("all", 0), "replace": ("window", 1)}[
                         decode_mode
                     ]
+                    window_start = end - window
                     if decode_mode == "replace":
                         replace.append(key_slots)
-                elif mode == "window" and start + n < seq.num_prompt_tokens - window:
-                    mode = "none"
-                elif mode == "window" and decode_mode == "replace":
-                    replace.append(key_slots)
+                elif mode == "window":
+                    if end <= window_start:
+                        # the chunk ends before the prompt's last window: its own last queries vote, so the
+                        # prompt can be trimmed before it is whole; the next chunk's vote replaces this one
+                        window_start = end - window
+                        replace.append(key_slots)
+                    elif start <= max(window_start, 0) or decode_mode == "replace":
+                        replace.append(key_slots)  # the prompt's last window begins here: earlier votes go
                 prefills.append(
                     PrefillSpan(
                         q_start=row,
@@ -119,7 +126,7 @@ class ModelRunner:
                         q_pos=torch.arange(start, start + n, device=device),
                         fresh=start == 0,
                         track=mode,
-                        window_start=(seq.num_prompt_tokens if start < seq.num_prompt_tokens else start + n) - window,
+                        window_start=window_start,
                         capture=chunk.samples and seq.seq_id in capture,
                     )
                 )

@@ -159,7 +159,7 @@ class CacheManager:
     def prefill_keep(self, kv: SequenceKV) -> float:
         """Tokens an evicting policy keeps while a prompt is read (no signal yet: as much as the policy allows)."""
         c = kv.controller
-        if not c.evicts or not c.evicts_during_prefill:
+        if not c.evicts:
             return math.inf
         return c.max_budget
 
@@ -181,8 +181,6 @@ class CacheManager:
         if not c.evicts:
             return table.blocks_for(total_tokens)
         if table.num_tokens < prompt_tokens:  # still reading the prompt
-            if not c.evicts_during_prefill:
-                return table.blocks_for(prompt_tokens) + 1
             keep = self.prefill_keep(kv) + chunk
         else:
             floor = math.ceil(c.sink_tokens / bs) * bs + c.protected_recent + bs  # what eviction cannot go below

@@ -47,13 +47,11 @@ class BlockScorer(ABC):
 
     name: ClassVar[str]
     #: Which prefill queries' attention the attention function records: none, a sample of all (accumulated
-    #: attention), or the last ``prefill_window`` queries of the prompt.
+    #: attention), or a window: the last ``prefill_window`` queries of each prompt chunk, whose vote replaces the
+    #: previous chunk's (so the prompt can be trimmed between chunks), then the prompt's last ``prefill_window``.
     prefill_attention: ClassVar[PrefillRecord] = "none"
     #: Whether decode queries' attention is added to what was recorded, replaces it, or is not recorded.
     decode_attention: ClassVar[DecodeRecord] = "none"
-    #: Whether the whole prompt must be resident when the scores are read (a selection made once the prompt
-    #: has been read, as SnapKV's), so the prompt is not trimmed while it is read.
-    needs_whole_prompt: ClassVar[bool] = False
 
     def __init__(self, policy: CachePolicy) -> None:
         self.policy = policy

@@ -1,7 +1,12 @@
 """SnapKV (Li et al. 2024): the prompt's last ``snapkv_window`` queries (the question, in a chat) vote for the
 tokens they attend to; votes are smoothed over neighbouring tokens (average pooling, kernel 5, as kvpress does) so
 that a selected token keeps its context. Decode attention is not recorded: the selection made at the end of the
-prompt stays and generated tokens slide. The prompt is kept whole until it has been read and voted on."""
+prompt stays and generated tokens slide.
+
+A prompt longer than the policy keeps is read chunk by chunk, as kvpress's ``ChunkPress`` applies a press: each
+chunk's last queries vote and the prompt is trimmed to the policy's size before the next chunk, whose vote replaces
+this one's. So a sequence never holds more than its size plus one chunk (what admission reserves), and a prompt that
+fits is selected by its own last queries exactly as in the paper."""
 
 from __future__ import annotations
 
@@ -17,7 +22,6 @@ POOL_KERNEL = 5
 class SnapKVScorer(BlockScorer):
     name = "snapkv"
     prefill_attention = "window"
-    needs_whole_prompt = True
 
     def score(self, view: BlockView) -> torch.Tensor:
         mass = view.mass.float()  # [n, bs]
