@@ -69,7 +69,7 @@ class CachePolicy(BaseModel):
     scorer: str | None = Field(
         None,
         description="how evictable blocks are ranked (h2o, snapkv, tova, knorm, recency); default: the "
-        "controller's own (dynamic: h2o)",
+        "controller's own (dynamic: snapkv)",
     )
     recompute_tokens: int = Field(1, ge=1, description="trailing tokens recomputed after a recall (dynamic)")
     learned_path: str | None = Field(None, description="exported policy folder (controller 'learned')")

@@ -125,3 +125,35 @@ def test_circuit_breaker_floor():
     assert mgr.floor_tokens(kv) == 12
     assert kv.budget == 12  # the breaker lowers the budget itself, so nothing regrows into what it freed
     assert kv.table.resident_tokens() <= mgr.floor_tokens(kv) + BS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_capture_by_the_fused_kernel_equals_explicit_attention(dtype):
+    """A recall's query log-sum-exp taken from the fused kernel equals the one explicit attention computes, and so
+    does the output (rows of different lengths, padding masked)."""
+    from confkv.kv.attention import PackedBatch, _decode_attention
+
+    torch.manual_seed(0)
+    pool = make_pool(num_blocks=16, dtype=dtype)
+    pool.k.copy_(torch.randn(pool.k.shape))
+    pool.v.copy_(torch.randn(pool.v.shape))
+    blocks = torch.tensor([[3, 7, 1], [5, 2, 2]])  # the second row has two blocks, padded with its last
+    valid = torch.ones(2, 3 * BS, dtype=torch.bool)
+    valid[0, -1] = False  # unfilled tail
+    valid[1, 2 * BS :] = False  # padding
+    heads = 2 * KVH
+    q = torch.randn(2, heads, D, dtype=dtype)
+
+    def run(track: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = PackedBatch(pool=pool, slot_mapping=torch.empty(0, dtype=torch.long), num_decode=2,
+                            decode_blocks=blocks, decode_valid=valid, decode_track=track, capture_decode=True)  # fmt: skip
+        captures: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        out = _decode_attention(batch, 1, q, 0.35, None, captures)
+        return out, captures[1][0]
+
+    fused_out, fused_lse = run(None)
+    explicit_out, explicit_lse = run(torch.zeros(2, 1))  # recording (with nowhere to add) forces explicit attention
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused_out, explicit_out, **tol)
+    torch.testing.assert_close(fused_lse, explicit_lse.float(), **tol)
+    assert fused_lse.shape == (2, KVH, heads // KVH)

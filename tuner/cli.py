@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "deterministic policy on every training episode (0: only before and after)")  # fmt: skip
     train.add_argument(
         "--scorer", default=None,
-        help="block scorer of the tuned policy (h2o, snapkv, tova, knorm, recency; default the base policy's, h2o); "
+        help="block scorer of the tuned policy (h2o, snapkv, tova, knorm, recency; default the base policy's, snapkv); "
         "optuna also takes a comma-separated list and searches it",
     )  # fmt: skip
     train.add_argument(

@@ -7,9 +7,9 @@ packs every scheduled token of every sequence into one row (``[1, tokens]``) and
 
 1. writes the new keys (after RoPE) and values into their pool slots;
 2. decode tokens: gathers each sequence's resident blocks (whole blocks, one contiguous copy each; the unfilled
-   tail and the padding are masked) into a padded batch; one fused SDPA call when nothing is recorded, else
-   explicit attention, which yields the per-slot attention mass (block importance) and each head's log-sum-exp
-   (what a recall needs to score host blocks against the current query);
+   tail and the padding are masked) into a padded batch; one fused SDPA call when no attention mass is recorded
+   (on CPU the same kernel also returns each head's log-sum-exp, what a recall needs to score host blocks against
+   the current query), else explicit attention, which yields the per-slot attention mass (block importance);
 3. prefill chunks: one SDPA call per chunk, causal by true positions; explicit only where the policy records
    prefill attention (H2O's accumulated attention, SnapKV's observation window).
 
@@ -78,6 +78,10 @@ class PackedBatch:
     captured_lse: list[torch.Tensor] = field(default_factory=list)  # [rows, kv_heads, groups]
 
 
+#: PyTorch's fused CPU attention (flash), called directly where its log-sum-exp is needed as well as its output.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``[..., heads, D]`` -> ``[..., kv_heads, groups, D]`` (GQA: consecutive query heads share a KV head)."""
     *lead, heads, dim = q.shape
@@ -108,6 +112,14 @@ def _decode_attention(
     if batch.decode_track is None and not batch.capture_decode:
         # nothing to record: one fused kernel, no explicit weights
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid[:, None, None, :], scale=scaling)
+        return out.reshape(q.shape)
+    if batch.decode_track is None and _FLASH_CPU is not None and q.device.type == "cpu":
+        # a recall needs only the query and its log-sum-exp, which the fused CPU kernel returns beside the output
+        # (the kernel F.scaled_dot_product_attention dispatches to; it takes an additive mask of the query's dtype)
+        mask = torch.zeros(valid.shape, dtype=qg.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+        out, lse = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=mask[:, None, None, :], scale=scaling)
+        captures[0].append(qg)
+        captures[1].append(lse.float())
         return out.reshape(q.shape)
     scores = torch.matmul(qg, keys.contiguous().transpose(-1, -2)).float() * scaling  # [n, kvh, g, keys]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
