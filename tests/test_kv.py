@@ -146,7 +146,8 @@ def test_decode_capture_by_the_fused_kernel_equals_explicit_attention(dtype):
 
     def run(track: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         batch = PackedBatch(pool=pool, slot_mapping=torch.empty(0, dtype=torch.long), num_decode=2,
-                            decode_blocks=blocks, decode_valid=valid, decode_track=track, capture_decode=True)  # fmt: skip
+                            decode_blocks=blocks, decode_valid=valid, decode_track=track,
+                            capture_decode=True)  # fmt: skip
         captures: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         out = _decode_attention(batch, 1, q, 0.35, None, captures)
         return out, captures[1][0]
