@@ -44,7 +44,8 @@ def main() -> None:
     result: dict = {**env, "items": len(items), "mean_prompt_tokens": sum(i.num_tokens for i in items) / len(items)}
     runs = {
         "full": run("full"),
-        "dynamic (h2o scorer)": run("dynamic"),
+        "dynamic (snapkv scorer, the default)": run("dynamic"),
+        "dynamic (h2o scorer)": run("dynamic", scorer="h2o"),
         "dynamic (recency scorer)": run("dynamic", scorer="recency"),
         "dynamic (recency, scaling 1.0: no expansion)": run("dynamic", scorer="recency", scaling_factor=1.0),
     }
