@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +194,43 @@ def test_allocator_thresholds_are_set_once_on_glibc():
     expected = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert keep_freed_memory() is expected
     assert keep_freed_memory() is expected
+
+
+RERUN = json.loads((Path(__file__).parent / "data" / "rerun_outputs.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(RERUN["cases"]))
+def test_a_recall_recomputes_in_the_next_steps_batch_with_the_outputs_of_a_pass_of_its_own(case):
+    """After a recall the sequence chooses no token; its last token is computed again as a row of the next step's
+    batch. That takes no forward pass of its own (one pass per step), and the outputs equal those recorded when the
+    recomputation was a second pass within the step (greedy and seeded sampling, snapkv and h2o ranking)."""
+    mode, scorer = case.split("-")
+    params = SamplingParams(
+        max_tokens=60, ignore_eos=True, **({"temperature": 0.9, "seed": 7} if mode == "seeded" else {})
+    )
+    llm = LLM("tiny-random", "dynamic", loaded=fresh_tiny(), scorer=scorer, **RERUN["policy"])
+    engine = llm.engine
+    passes = 0
+    run = engine.runner.run
+
+    def counting(*args, **kwargs):
+        nonlocal passes
+        passes += 1
+        return run(*args, **kwargs)
+
+    engine.runner.run = counting
+    for i, prompt in enumerate(RERUN["prompts"]):
+        engine.add_request(str(i), prompt, params)
+    done, steps, silent = {}, 0, 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        emitted = {o.request_id for o in outputs if o.new_token_ids}
+        for seq in engine.scheduler.running:
+            if seq.rerun:  # recalled this step: chose no token
+                assert seq.request_id not in emitted
+                silent += 1
+        done.update((o.request_id, o.output.token_ids) for o in outputs if o.finished)
+    expected = RERUN["cases"][case]
+    assert passes == steps and silent == expected["reruns"] == engine.num_reruns
+    assert [done[str(i)] for i in range(len(RERUN["prompts"]))] == expected["tokens"]

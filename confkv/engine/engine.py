@@ -2,9 +2,10 @@
 
 One step: apply a policy swap handed in since the last step -> schedule chunks (admission by what each policy
 keeps) -> run the model over the pool -> commit -> confidence signals of the sampling rows -> each sequence's
-controller updates its budget -> on expansion the cache manager recalls host blocks and the step is recomputed for
-those sequences (so the token chosen under uncertainty sees the recalled context) -> sample -> stop checks -> the
-cache manager trims every sequence to its budget.
+controller updates its budget -> on expansion the cache manager recalls host blocks, and a sequence that got blocks
+back chooses no token this step: its last token is computed again as a row of the next step's batch (so the token
+chosen under uncertainty sees the recalled context, without a forward pass of its own) -> sample -> stop checks ->
+the cache manager trims every sequence to its budget.
 
 A step cannot corrupt state: slots are reserved for the step's tokens before the forward pass and given back if it
 raises; the chunks are then run one by one so that only the request whose chunk fails is finished with an error,
@@ -419,7 +420,7 @@ class LLMEngine:
             log.warning("forward pass over %d chunks failed (%s); running them one by one", len(chunks), err)
         done = []
         for ch in chunks:
-            ch.undo = self.manager.reserve(ch.seq.kv, ch.num_tokens)
+            ch.undo = None if ch.rerun else self.manager.reserve(ch.seq.kv, ch.num_tokens)
             try:
                 done.append(([ch], self._run([ch])))
             except Exception as err:
@@ -430,6 +431,8 @@ class LLMEngine:
     def _process(self, chunks: list[ScheduledChunk], res: ForwardResult) -> list[StepOutput]:
         self.runner.commit(res)
         for ch, resident in zip(chunks, res.resident, strict=True):
+            if ch.rerun:
+                continue
             ch.seq.num_computed += ch.num_tokens
             ch.seq.kv.stats.record_compute(resident, len(ch.seq.kv.table.device_blocks()), generated=False)
         outputs: list[StepOutput] = []
@@ -442,7 +445,8 @@ class LLMEngine:
         for ch in chunks:
             seq = ch.seq
             if not seq.finished:
-                self.manager.after_step(seq.kv, seq.ctrl.budget, ch.num_tokens, seq.prompt_done, self._room(seq))
+                computed = 0 if ch.rerun else ch.num_tokens
+                self.manager.after_step(seq.kv, seq.ctrl.budget, computed, seq.prompt_done, self._room(seq))
                 if seq.scored and seq.num_uncomputed == 0:
                     seq.token_ids.extend(seq.next_forced_chunk())
         return outputs
@@ -544,10 +548,14 @@ class LLMEngine:
         signals = confidence_signals(logits)
         host_signals = signals.stacked().tolist()
         expanded = [False] * len(sampling)
-        rerun: list[int] = []
+        deferred: set[int] = set()
         for i, ch in enumerate(sampling):
             seq = ch.seq
             c = seq.kv.controller
+            if ch.rerun:  # computed again after last step's recall: its signals were counted then
+                seq.rerun = 0
+                expanded[i] = True
+                continue
             s = StepSignals(
                 host_signals[0][i],
                 host_signals[1][i],
@@ -560,10 +568,23 @@ class LLMEngine:
             if c.evicts and state.budget > seq.ctrl.budget:
                 expanded[i] = True
                 if self._expand(seq, state.budget, res):
-                    rerun.append(i)
+                    # the token is chosen next step, from this one recomputed with the recalled blocks (only
+                    # tokens of the protected recent window are sure to be resident)
+                    seq.rerun = min(c.policy.recompute_tokens, max(1, c.protected_recent), seq.num_computed)
+                    deferred.add(i)
+                    self.num_reruns += 1
+                    self.rerun_tokens += seq.rerun
             seq.ctrl = state
-        if rerun:
-            logits, signals, host_signals = self._rerun(sampling, rerun, logits, signals, host_signals, resident)
+        if deferred:
+            keep = [i for i in range(len(sampling)) if i not in deferred]
+            sampling = [sampling[i] for i in keep]
+            resident = [resident[i] for i in keep]
+            expanded = [expanded[i] for i in keep]
+            logits = logits[keep]
+            signals = confidence_signals(logits)
+            host_signals = signals.stacked().tolist()
+            if not sampling:
+                return []
         tokens, errors = sample(
             logits, signals, [ch.seq.params for ch in sampling], [ch.seq.generator for ch in sampling]
         )
@@ -616,39 +637,6 @@ class LLMEngine:
                 out.output = RequestOutput.from_sequence(seq, self.pool.bytes_per_block)
             outputs.append(out)
         return outputs
-
-    def _rerun(
-        self,
-        sampling: list[ScheduledChunk],
-        rerun: list[int],
-        logits: torch.Tensor,
-        signals: Any,
-        host_signals: list[list[float]],
-        resident: list[int],
-    ) -> tuple[torch.Tensor, Any, list[list[float]]]:
-        """Recompute the uncertain steps with the recalled blocks before their tokens are chosen."""
-        again = []
-        for i in rerun:
-            seq = sampling[i].seq
-            # only tokens of the protected recent window are sure to be resident
-            c = seq.kv.controller
-            n = min(c.policy.recompute_tokens, max(1, c.protected_recent), seq.num_computed)
-            again.append(ScheduledChunk(seq, seq.num_computed - n, n))
-        again.sort(key=lambda ch: ch.num_tokens != 1)
-        order = {id(ch.seq): j for j, ch in enumerate(again)}
-        try:
-            res2 = self.runner.run(again, track=False)
-        except Exception as err:  # the first pass's logits still stand
-            log.warning("recomputing %d recalled steps failed (%s); keeping the first pass", len(again), err)
-            return logits, signals, host_signals
-        self.num_reruns += len(rerun)
-        self.rerun_tokens += sum(ch.num_tokens for ch in again)
-        logits = logits.clone()
-        logits[rerun] = res2.logits[[order[id(sampling[i].seq)] for i in rerun]]
-        signals = confidence_signals(logits)
-        for i in rerun:
-            resident[i] = res2.resident[order[id(sampling[i].seq)]]
-        return logits, signals, signals.stacked().tolist()
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

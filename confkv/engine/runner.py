@@ -86,7 +86,8 @@ class ModelRunner:
                 spans.append((len(sample_rows), 0))
             if chunk.samples:
                 sampling.append(chunk)
-            decode_mode = controller.decode_attention if track else "none"
+            recorded = track and not chunk.rerun  # a rerun's attention was recorded by its first pass
+            decode_mode = controller.decode_attention if recorded else "none"
             if n == 1:
                 if decode_mode == "replace":
                     decode_replace.append(len(decode_blocks))
@@ -98,7 +99,7 @@ class ModelRunner:
                 key_slots, key_pos = table.resident_slots(start + n, device)
                 if chunk.samples and seq.seq_id in capture:
                     prefill_captures.append(seq.seq_id)
-                mode = controller.prefill_attention if track else "none"
+                mode = controller.prefill_attention if recorded else "none"
                 window = controller.prefill_window
                 end = start + n
                 window_start = (seq.num_prompt_tokens if start < seq.num_prompt_tokens else end) - window

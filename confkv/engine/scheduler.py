@@ -44,6 +44,7 @@ class ScheduledChunk:
     start: int  # first position computed this step
     num_tokens: int
     undo: Reservation | None = None  # how to give the slots back if the forward pass fails
+    rerun: bool = False  # tokens computed before, computed again after a recall (their slots are kept)
 
     @property
     def samples(self) -> bool:
@@ -153,6 +154,7 @@ class Scheduler:
         self.recomputed_tokens += seq.num_computed
         self.manager.reset(seq.kv)
         seq.num_computed = 0
+        seq.rerun = 0
         if seq.scored:  # scoring restarts from its prompt: rows recorded so far would be recorded twice
             seq.token_ids = list(seq.prompt_token_ids)
             seq.ctrl = seq.controller.init_state()
@@ -171,6 +173,11 @@ class Scheduler:
 
         for seq in list(self.running):
             if seq not in self.running or seq.paused:  # preempted while making room for an earlier one
+                continue
+            if seq.rerun:  # its slots are kept: nothing to reserve
+                if budget >= seq.rerun:
+                    out.chunks.append(ScheduledChunk(seq, seq.num_computed - seq.rerun, seq.rerun, rerun=True))
+                    budget -= seq.rerun
                 continue
             if seq.scored:  # fixed chunks whatever else runs, so a text scores the same alone or in any batch
                 n = min(seq.num_uncomputed, self.max_num_batched_tokens)

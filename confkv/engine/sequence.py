@@ -71,6 +71,9 @@ class Sequence:
     paused: bool = False
     #: The newest sampling query and its log-sum-exp over the resident keys (what a recall between steps needs).
     last_query: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: Trailing computed tokens to compute again, with the blocks a recall just brought back, before the next token
+    #: is chosen: done as a row of the next step's batch rather than a forward pass of its own.
+    rerun: int = 0
     #: Sessions: the conversation this request continues, the prompt tokens whose KV it reused, and whether it is
     #: waiting for its record to come back from object storage (and how long that took).
     session_id: str | None = None
