@@ -8,7 +8,7 @@ synchronisation per step). Entropy is in nats, the unit the requirement's thresh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -27,6 +27,10 @@ class Signals:
     top1_prob: torch.Tensor
     top1_id: torch.Tensor
     logprobs: torch.Tensor
+
+    def rows(self, index: list[int]) -> Signals:
+        """The signals of the rows ``index`` only (rows left out of sampling keep theirs computed once)."""
+        return Signals(*(getattr(self, f.name)[index] for f in fields(self)))
 
     def stacked(self) -> torch.Tensor:
         """``[3, batch]`` float tensor (entropy, gap, top-1 probability), for one device-to-host copy."""

@@ -37,3 +37,11 @@ def test_half_precision_logits_give_float32_signals():
     half = confidence_signals(logits.bfloat16())
     assert half.entropy.dtype == torch.float32
     torch.testing.assert_close(half.entropy, confidence_signals(logits.bfloat16().float()).entropy)
+
+
+def test_rows_selects_the_signals_of_some_rows():
+    logits = torch.randn(5, 64)
+    picked = confidence_signals(logits).rows([0, 3])
+    alone = confidence_signals(logits[[0, 3]])
+    for name in ("entropy", "gap", "top1_prob", "top1_id", "logprobs"):
+        torch.testing.assert_close(getattr(picked, name), getattr(alone, name))

@@ -581,8 +581,8 @@ class LLMEngine:
             resident = [resident[i] for i in keep]
             expanded = [expanded[i] for i in keep]
             logits = logits[keep]
-            signals = confidence_signals(logits)
-            host_signals = signals.stacked().tolist()
+            signals = signals.rows(keep)
+            host_signals = [[row[i] for i in keep] for row in host_signals]
             if not sampling:
                 return []
         tokens, errors = sample(

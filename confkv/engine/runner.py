@@ -102,7 +102,7 @@ class ModelRunner:
                 mode = controller.prefill_attention if recorded else "none"
                 window = controller.prefill_window
                 end = start + n
-                window_start = (seq.num_prompt_tokens if start < seq.num_prompt_tokens else end) - window
+                window_start = seq.num_prompt_tokens - window  # the prompt's last window
                 if start >= seq.num_prompt_tokens:  # a teacher-forced chunk of output: decode-time rules
                     mode, window = {"none": ("none", 0), "accumulate": ("all", 0), "replace": ("window", 1)}[
                         decode_mode

@@ -157,11 +157,9 @@ class CacheManager:
         table.num_tokens = undo.num_tokens
 
     def prefill_keep(self, kv: SequenceKV) -> float:
-        """Tokens an evicting policy keeps while a prompt is read (no signal yet: as much as the policy allows)."""
-        c = kv.controller
-        if not c.evicts:
-            return math.inf
-        return c.max_budget
+        """Tokens an evicting policy keeps while a prompt is read (no signal yet: as much as the policy allows;
+        unbounded for one that never evicts)."""
+        return kv.controller.max_budget
 
     def floor_tokens(self, kv: SequenceKV) -> int:
         """The fewest tokens a long sequence keeps: sinks plus the protected recent window."""
