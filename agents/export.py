@@ -15,7 +15,7 @@ from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from confkv.config import CachePolicy
-from confkv.learned import MLPPolicy
+from confkv.learned import KnobSpace, MLPPolicy
 
 
 def _linear_stack(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
@@ -40,6 +40,16 @@ def to_mlp(model: BaseAlgorithm, action: str) -> MLPPolicy:
 
 
 def export_sb3(
-    model: BaseAlgorithm, action: str, out: str | Path, base_policy: CachePolicy, extra: dict[str, Any] | None = None
+    model: BaseAlgorithm,
+    action: str,
+    out: str | Path,
+    base_policy: CachePolicy,
+    extra: dict[str, Any] | None = None,
+    space: KnobSpace | None = None,
 ) -> Path:
-    return to_mlp(model, action).save(out, base_policy, extra)
+    """``space``: the knob space the agent acted in, when it is not the one centred on ``base_policy`` with that
+    policy's own bounds (a warm-started agent's)."""
+    mlp = to_mlp(model, action)
+    if action == "knobs":
+        mlp.space = space
+    return mlp.save(out, base_policy, extra)

@@ -18,6 +18,7 @@ exported, is run once over every training episode by ``evaluate`` and its figure
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -126,6 +127,8 @@ class _Progress(BaseCallback):
         self.rollouts = 0
         self.episodes = 0
         self.last_eval = -1
+        #: The best evaluation so far: (reward, updates, a copy of the policy's weights then).
+        self.best: tuple[float, int, dict[str, Any]] | None = None
 
     def _act(self, obs: np.ndarray) -> Any:
         return self.model.predict(obs, deterministic=True)[0]
@@ -136,6 +139,8 @@ class _Progress(BaseCallback):
             return
         self.last_eval = updates
         metrics = self.evaluate(self._act)
+        if self.best is None or metrics["reward"] > self.best[0]:
+            self.best = (float(metrics["reward"]), updates, copy.deepcopy(self.model.policy.state_dict()))
         if self.on_eval:
             self.on_eval(self.num_timesteps, updates, metrics)
 
@@ -174,10 +179,19 @@ def train_sb3(
     evaluate: Callable[[Callable[[np.ndarray], Any]], dict[str, Any]] | None = None,
     on_eval: Callable[[int, int, dict[str, Any]], None] | None = None,
     progress: bool = False,
+    keep: str = "best",
+    on_select: Callable[[int, float], None] | None = None,
     **hyper: Any,
 ) -> BaseAlgorithm:
     """Train ``algo`` for ``timesteps`` environment steps (segments) with ``preset``'s settings (default quick;
-    ``hyper`` passes anything else to the SB3 class). Small networks: the observation is 14 numbers."""
+    ``hyper`` passes anything else to the SB3 class). Small networks: the observation is 14 numbers.
+
+    ``keep`` "best" returns the policy as it was at its best evaluation on the training episodes (PPO's reward
+    is not monotone in updates; the untrained, base-centred policy counts too), "last" as training left it.
+    ``on_select(updates, reward)`` says which evaluation the returned policy is (not called for "last", nor
+    without ``evaluate``)."""
+    if keep not in ("best", "last"):
+        raise ValueError(f"keep must be best or last (got {keep!r})")
     p = preset or PRESETS["quick"]
     continuous = env.action_space.__class__.__name__ == "Box"
     policy_kwargs: dict[str, Any] = {"net_arch": [64, 64]}
@@ -205,6 +219,11 @@ def train_sb3(
     callback = _Progress(on_episode, evaluate, on_eval, p.eval_every, per_update)
     log_interval = 1 if algo == "ppo" else 4  # SAC: every 4 episodes
     model.learn(total_timesteps=timesteps, callback=callback, progress_bar=progress, log_interval=log_interval)
+    if keep == "best" and callback.best is not None:
+        reward, updates, weights = callback.best
+        model.policy.load_state_dict(weights)
+        if on_select:
+            on_select(updates, reward)
     return model
 
 

@@ -108,11 +108,15 @@ class KnobSpace:
     block_size: int = 16
 
     @classmethod
-    def for_policy(cls, base: CachePolicy, sizes: bool = True) -> KnobSpace:
-        """The space around ``base``: the three thresholds, plus ``base_size`` and ``max_size`` when ``sizes``."""
+    def for_policy(cls, base: CachePolicy, sizes: bool = True, bounds_of: CachePolicy | None = None) -> KnobSpace:
+        """The space around ``base``: the three thresholds, plus ``base_size`` and ``max_size`` when ``sizes``.
+
+        ``bounds_of`` takes the size bounds from another policy: a warm-started agent acts in the space Optuna
+        searched around the tuned base, centred on the policy it starts from (``confkv-tune train --init-policy``).
+        """
         bounds: dict[str, tuple[float, float]] = dict(THRESHOLD_BOUNDS)
         if sizes:
-            bounds.update(size_bounds(base))
+            bounds.update(size_bounds(bounds_of or base))
         names = tuple(bounds)
         low = tuple(float(bounds[n][0]) for n in names)
         high = tuple(float(bounds[n][1]) for n in names)

@@ -33,7 +33,6 @@ from envs.env import (
     after_read,
     budget_range,
     decide,
-    knob_space,
     observation_space,
 )
 from envs.episodes import Episode, TuneData
@@ -47,7 +46,7 @@ class ConfKVDecodeEnv(gym.Env):
         self.data = data
         self.kind = action
         self.weights = weights or RewardWeights()
-        self.space = knob_space(data.base_policy)
+        self.space = data.knob_space()
         self.budget_range = budget_range(action, data.base_policy, self.space)
         self.observation_space = observation_space()
         self.action_space = action_space(action, self.space)

@@ -183,7 +183,7 @@ class _Slots:
         self.data = data
         self.kind = kind
         self.weights = weights
-        self.space = knob_space(data.base_policy)
+        self.space = data.knob_space()
         self.budget_range = budget_range(kind, data.base_policy, self.space)
         self.llm = data.llm(max_batch_size=max(n, 1))
         self.engine = self.llm.engine
@@ -269,7 +269,7 @@ class ConfKVEnv(gym.Env):
         super().__init__()
         self.data = data
         self.observation_space = observation_space()
-        self.action_space = action_space(action, knob_space(data.base_policy))
+        self.action_space = action_space(action, data.knob_space())
         self._slots = _Slots(data, 1, action, weights or RewardWeights())
         self._live = False
 
@@ -304,7 +304,7 @@ class ConfKVVecEnv(VecEnv):
         self, data: TuneData, n_envs: int, action: str = "knobs", weights: RewardWeights | None = None, seed: int = 0
     ) -> None:
         self.render_mode = None
-        super().__init__(n_envs, observation_space(), action_space(action, knob_space(data.base_policy)))
+        super().__init__(n_envs, observation_space(), action_space(action, data.knob_space()))
         self.data = data
         self._slots = _Slots(data, n_envs, action, weights or RewardWeights())
         self._rng = np.random.default_rng(seed)

@@ -23,6 +23,7 @@ from confkv.bench.reference import ReferenceStore, build_references
 from confkv.bench.workloads import make_workload
 from confkv.config import CachePolicy
 from confkv.engine.llm import LLM
+from confkv.learned import KnobSpace
 from confkv.model_loader import LoadedModel, load_model
 from confkv.scoring import ScoreItem
 
@@ -76,6 +77,13 @@ class TuneData:
     split: str
     #: Engine settings for every engine built on this data (``kv_cache_memory``, ``max_num_batched_tokens``).
     engine: dict[str, Any] = field(default_factory=dict)
+    #: The policy whose size bounds the agents' knob space takes (None: ``base_policy``'s). Set when an agent is
+    #: warm-started from a tuned policy: the space stays the one searched around the original base.
+    bounds_of: CachePolicy | None = None
+
+    def knob_space(self) -> KnobSpace:
+        """The space the agents act in, centred on ``base_policy`` (an action of 0 is that policy)."""
+        return KnobSpace.for_policy(self.base_policy, bounds_of=self.bounds_of)
 
     def llm(self, policy: CachePolicy | None = None, **engine: Any) -> LLM:
         return LLM(self.model, policy or self.base_policy, loaded=self.loaded, **{**self.engine, **engine})

@@ -149,6 +149,57 @@ def test_train_logs_mlflow_and_exports_a_policy_confkv_runs(tmp_path, monkeypatc
     assert max(out.trace.resident[1:]) <= KnobSpace.for_policy(policy).budget_range(policy)[1] + 16
 
 
+def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path, monkeypatch, capsys):
+    """``--init-policy``: the untrained agent is the given policy (its knobs are the space's centre, the bounds stay
+    those searched around the base), and the export is the best evaluated policy, the untrained one included."""
+    import yaml
+
+    from envs.episodes import default_base_policy
+
+    monkeypatch.chdir(tmp_path)
+    base = default_base_policy("tiny-random")
+    tuned = base.replace(entropy_threshold=2.0, gap_threshold=0.05, scaling_factor=0.9, base_size=48, max_size=64)
+    (tmp_path / "tuned.yaml").write_text(yaml.safe_dump({"cache_policy": tuned.model_dump(mode="json")}))
+    args = ["train", "--algo", "ppo", "--model", "tiny-random", "--timesteps", "64", "--n-envs", "2",
+            "--eval-every", "1", "--out", "run", "--no-register", "--init-policy", "tuned.yaml"]  # fmt: skip
+    assert tune_main(args) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    import mlflow
+
+    mlflow.set_tracking_uri("sqlite:///mlflow.db")
+    client = mlflow.MlflowClient()
+    run = mlflow.get_run(summary["run_id"])
+    evals = [m.value for m in client.get_metric_history(run.info.run_id, "eval_reward")]
+    assert len(evals) == 3
+    # before any update the agent is the tuned policy, not the default rule
+    assert evals[0] == pytest.approx(run.data.metrics["init_reward"], abs=0.05)
+    assert run.data.params["init_max_size"] == "64" and run.data.params["space_max_size"] == "[32.0, 256.0]"
+    # the exported network is the best evaluation's, said in the run
+    assert run.data.metrics["selected_reward"] == pytest.approx(max(evals))
+    assert evals[int(run.data.metrics["selected_updates"])] == pytest.approx(max(evals))
+    assert "exported: the policy after" in captured.err
+    loaded = MLPPolicy.load(tmp_path / "run" / "policy")
+    assert loaded.space == KnobSpace.for_policy(tuned, bounds_of=base)
+    assert loaded.space.knobs(np.zeros(5)) == {"entropy_threshold": 2.0, "gap_threshold": 0.05,
+                                                "scaling_factor": 0.9, "base_size": 48, "max_size": 64}  # fmt: skip
+    exported = load_policy_file(tmp_path / "run" / "policy")
+    assert (exported.base_size, exported.max_size, exported.entropy_threshold) == (48, 64, 2.0)
+
+    # refused: a policy that is not dynamic, one outside the searched space, and an agent that sets budgets
+    (tmp_path / "full.yaml").write_text(yaml.safe_dump({"cache_policy": base.replace(controller="full")
+                                                        .model_dump(mode="json")}))  # fmt: skip
+    wide = base.replace(max_size=1024)
+    (tmp_path / "wide.yaml").write_text(yaml.safe_dump({"cache_policy": wide.model_dump(mode="json")}))
+    bad = ["train", "--algo", "ppo", "--model", "tiny-random", "--timesteps", "8", "--out", "x", "--no-register"]
+    assert tune_main([*bad, "--init-policy", "full.yaml"]) == 2
+    assert "must be a dynamic policy" in capsys.readouterr().err
+    assert tune_main([*bad, "--init-policy", "wide.yaml"]) == 2
+    assert "outside the searched space" in capsys.readouterr().err
+    assert tune_main([*bad, "--init-policy", "tuned.yaml", "--action", "budget"]) == 2
+    assert "knobs agent" in capsys.readouterr().err
+
+
 def test_eval_and_compare_are_mlflow_runs_and_errors(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # absolute: MLflow keeps one store per URI string per process

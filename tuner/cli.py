@@ -90,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
         "optuna also takes a comma-separated list and searches it",
     )  # fmt: skip
     train.add_argument(
+        "--init-policy", default=None, metavar="POLICY",
+        help="ppo/sac: start the agent from this dynamic policy's knobs (a YAML file such as an Optuna run's "
+        "OUT/policy/policy.yaml, a registry reference, or calibrated): an action of 0 is that policy, in the space "
+        "searched around the default base",
+    )  # fmt: skip
+    train.add_argument(
+        "--keep", choices=["best", "last"], default="best",
+        help="ppo/sac: export the policy of the best evaluation on the training episodes (default; the untrained "
+        "one counts) or as the last update left it",
+    )  # fmt: skip
+    train.add_argument(
         "--mode", choices=["teacher", "decode"], default="teacher",
         help="episodes scored teacher-forced (fast, KL reward) or decoded freely (divergence reward)",
     )  # fmt: skip
@@ -223,7 +234,32 @@ def _preset(args: argparse.Namespace) -> Any:
     return preset
 
 
+def _warm_start(args: argparse.Namespace, data: Any, scorers: list[str]) -> None:
+    """Centre the agent's space on ``--init-policy``'s knobs, keeping the bounds searched around the tuned base, so
+    the untrained agent is that policy (typically an Optuna run's best) and training can only refine it."""
+    from confkv.learned import KNOB_NAMES
+
+    init = resolve_policy_arg(args.init_policy, data.base_policy, args.model, args.cache_dir)
+    if init.controller != "dynamic":
+        raise ConfkvError(f"--init-policy must be a dynamic policy (got controller {init.controller!r})")
+    base = data.base_policy
+    if (init.min_recent, init.sink_tokens, init.compact_interval, init.block_size) != (
+        base.min_recent, base.sink_tokens, base.compact_interval, base.block_size
+    ):  # fmt: skip
+        raise ConfkvError("--init-policy must share the base policy's min_recent, sink_tokens, compact_interval and "
+                          "block_size (only its knobs and scorer are taken)")  # fmt: skip
+    space = data.knob_space()
+    outside = [n for n, lo, hi in zip(space.names, space.low, space.high, strict=True)
+               if not lo <= float(getattr(init, n)) <= hi]  # fmt: skip
+    if outside:
+        raise ConfkvError(f"--init-policy sets {', '.join(outside)} outside the searched space {space.bounds()}")
+    data.bounds_of = base
+    data.base_policy = base.replace(**{n: getattr(init, n) for n in KNOB_NAMES},
+                                    scorer=scorers[0] if scorers else init.effective_scorer)  # fmt: skip
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from confkv.learned import KNOB_NAMES
     from envs.evaluate import evaluate_policy
     from tuner.search import space_description
     from tuner.tracking import log_artifact_file, log_artifacts, log_metrics, mlflow_run, set_tags
@@ -234,6 +270,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError(f"--algo {args.algo} takes --timesteps")
     if args.algo == "sac" and args.action != "knobs":
         raise ConfkvError("sac needs --action knobs")
+    if args.init_policy is not None and (args.algo == "optuna" or args.action != "knobs"):
+        raise ConfkvError("--init-policy starts a knobs agent (ppo or sac with --action knobs)")
     scorers = _scorers(args)
     params: dict[str, Any] = {}
     if args.algo == "optuna":
@@ -260,23 +298,33 @@ def cmd_train(args: argparse.Namespace) -> int:
     if len(scorers) == 1:
         data.base_policy = data.base_policy.replace(scorer=scorers[0])
     weights = _weights(args)
+    tuned_base = data.base_policy
+    if args.init_policy is not None:
+        _warm_start(args, data, scorers)
     params.update({
         "algo": args.algo, "model": args.model, "workload": args.workload, "seed": args.seed,
         "episodes": len(data.episodes), "timesteps": args.timesteps, "trials": args.trials, "action": args.action,
         "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, **weights.__dict__,
-        **{f"base_{k}": v for k, v in data.base_policy.model_dump(
+        **{f"base_{k}": v for k, v in tuned_base.model_dump(
             include={"base_size", "max_size", "min_recent", "compact_interval", "entropy_threshold", "gap_threshold",
                      "scaling_factor"}).items()},
         "base_scorer": data.base_policy.effective_scorer,
-        **space_description(data.base_policy, scorers if args.algo == "optuna" else ()),
+        **space_description(tuned_base, scorers if args.algo == "optuna" else ()),
+        **({"init_policy": args.init_policy, **{f"init_{k}": getattr(data.base_policy, k) for k in KNOB_NAMES}}
+           if args.init_policy is not None else {}),
     })  # fmt: skip
     policy_dir = out / "policy"
     lineage: dict[str, Any] = {}
     with mlflow_run(args.tracking_uri, f"{args.algo}-{args.model}-{args.workload}", params,
                     tags={"confkv.kind": "train"}) as run:  # fmt: skip
-        default = evaluate_policy(data, data.base_policy, weights)
+        default = evaluate_policy(data, tuned_base, weights)
         log_metrics({"default_reward": default["reward"], "default_kv_fraction": default["kv_fraction"],
                      "default_kl": default["kl_mean"]}, step=0)  # fmt: skip
+        start = None
+        if args.init_policy is not None:
+            start = evaluate_policy(data, data.base_policy, weights)
+            log_metrics({"init_reward": start["reward"], "init_kv_fraction": start["kv_fraction"],
+                         "init_kl": start["kl_mean"]}, step=0)  # fmt: skip
         if args.algo == "optuna":
             policy = _train_optuna(args, data, weights, out, log_metrics, lineage, scorers)
             policy_dir.mkdir(exist_ok=True)
@@ -299,6 +347,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "seconds": round(time.perf_counter() - t0, 1),
             "train": _summary(final),
             "default": _summary(default),
+            **({"init": _summary(start)} if start is not None else {}),
             **({"schedule": plan} if args.algo != "optuna" else {}),
         }
         if not args.no_register:
@@ -471,11 +520,16 @@ def _train_rl(
             file=sys.stderr,
         )
 
+    def on_select(updates: int, reward: float) -> None:
+        log_metrics({"selected_updates": updates, "selected_reward": reward})
+        print(f"  exported: the policy after {updates} updates (training reward {reward:.3f})", file=sys.stderr)
+
     model = train_sb3(args.algo, env, args.timesteps, preset=args.preset_obj, seed=args.seed, on_episode=on_episode,
                       log_metrics=lambda metrics, step: log_metrics(metrics, step=step), evaluate=evaluate,
-                      on_eval=on_eval, progress=sys.stderr.isatty())  # fmt: skip
+                      on_eval=on_eval, progress=sys.stderr.isatty(), keep=args.keep, on_select=on_select)  # fmt: skip
     env.close()
-    export_sb3(model, args.action, policy_dir, data.base_policy, {"workload": args.workload, "model": args.model})
+    export_sb3(model, args.action, policy_dir, data.base_policy, {"workload": args.workload, "model": args.model},
+               space=data.knob_space() if args.action == "knobs" else None)  # fmt: skip
     model.save(out / f"{args.algo}_sb3.zip")
     _learning_curve(out, f"{args.algo} on {args.workload} ({args.model})", episodes, evals, default_reward)
     return load_policy_file(policy_dir)
