@@ -236,7 +236,8 @@ def _preset(args: argparse.Namespace) -> Any:
 
 def _warm_start(args: argparse.Namespace, data: Any, scorers: list[str]) -> None:
     """Centre the agent's space on ``--init-policy``'s knobs, keeping the bounds searched around the tuned base, so
-    the untrained agent is that policy (typically an Optuna run's best) and training can only refine it."""
+    the untrained agent is that policy (typically an Optuna run's best); with ``--keep best`` the export is never
+    below it on the training episodes (held-out items may still differ)."""
     from confkv.learned import KNOB_NAMES
 
     init = resolve_policy_arg(args.init_policy, data.base_policy, args.model, args.cache_dir)
