@@ -234,10 +234,10 @@ def _preset(args: argparse.Namespace) -> Any:
     return preset
 
 
-def _warm_start(args: argparse.Namespace, data: Any, scorers: list[str]) -> None:
+def _warm_start(args: argparse.Namespace, data: Any, scorers: list[str]) -> dict[str, Any]:
     """Centre the agent's space on ``--init-policy``'s knobs, keeping the bounds searched around the tuned base, so
     the untrained agent is that policy (typically an Optuna run's best); with ``--keep best`` the export is never
-    below it on the training episodes (held-out items may still differ)."""
+    below it on the training episodes (held-out items may still differ). Returns the run parameters it sets."""
     from confkv.learned import KNOB_NAMES
 
     init = resolve_policy_arg(args.init_policy, data.base_policy, args.model, args.cache_dir)
@@ -255,12 +255,12 @@ def _warm_start(args: argparse.Namespace, data: Any, scorers: list[str]) -> None
     if outside:
         raise ConfkvError(f"--init-policy sets {', '.join(outside)} outside the searched space {space.bounds()}")
     data.bounds_of = base
-    data.base_policy = base.replace(**{n: getattr(init, n) for n in KNOB_NAMES},
-                                    scorer=scorers[0] if scorers else init.effective_scorer)  # fmt: skip
+    knobs = {n: getattr(init, n) for n in KNOB_NAMES}
+    data.base_policy = base.replace(**knobs, scorer=scorers[0] if scorers else init.effective_scorer)
+    return {"init_policy": args.init_policy, **{f"init_{k}": v for k, v in knobs.items()}}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from confkv.learned import KNOB_NAMES
     from envs.evaluate import evaluate_policy
     from tuner.search import space_description
     from tuner.tracking import log_artifact_file, log_artifacts, log_metrics, mlflow_run, set_tags
@@ -301,7 +301,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     weights = _weights(args)
     tuned_base = data.base_policy
     if args.init_policy is not None:
-        _warm_start(args, data, scorers)
+        params.update(_warm_start(args, data, scorers))
     params.update({
         "algo": args.algo, "model": args.model, "workload": args.workload, "seed": args.seed,
         "episodes": len(data.episodes), "timesteps": args.timesteps, "trials": args.trials, "action": args.action,
@@ -311,8 +311,6 @@ def cmd_train(args: argparse.Namespace) -> int:
                      "scaling_factor"}).items()},
         "base_scorer": data.base_policy.effective_scorer,
         **space_description(tuned_base, scorers if args.algo == "optuna" else ()),
-        **({"init_policy": args.init_policy, **{f"init_{k}": getattr(data.base_policy, k) for k in KNOB_NAMES}}
-           if args.init_policy is not None else {}),
     })  # fmt: skip
     policy_dir = out / "policy"
     lineage: dict[str, Any] = {}
