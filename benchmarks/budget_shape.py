@@ -1,0 +1,169 @@
+"""Why ``dynamic`` loses to a fixed budget at equal memory on some workloads: the shape of KL against the budget,
+and whether the confidence signal places the budget better than chance.
+
+    python benchmarks/budget_shape.py --workloads prose,longgen,chat --budgets 64,128,256,384,512,768 --items 2
+
+Two measurements on the standard suite's held-out items (teacher-forced; mean KL per token to the full cache):
+
+1. **Sweep.** A fixed budget ranked by the dynamic policy's own scorer (the ``snapkv`` preset) at each of
+   ``--budgets``: mean KL against mean resident memory. Where KL is convex in the budget, a budget that swings
+   between ``base_size`` and ``max_size`` loses to a fixed one at the same mean memory even if nothing is wrong
+   with where it swings (Jensen's inequality); the second differences of the curve say how much.
+2. **Placebo.** ``dynamic`` twice: on the model's signals, then on a confidence-blind signal with the same
+   statistics: a two-state Markov chain fitted to the first run's decisions (the same share of uncertain steps and
+   the same mean run lengths), fed to the same rule in place of the model's signals. The budget swings alike, but
+   not where the model is unsure. Real ahead of placebo: the signal puts memory where it pays. Real no better: on
+   this workload the signal carries nothing the rule can use. Each run is matched with a fixed ``snapkv`` budget at
+   its own measured mean memory (``confkv.bench.suite.matched_budget``).
+
+The placebo replaces ``DynamicController.update`` for the duration of one run (the only place a signal enters the
+rule); nothing else changes. ``--json`` writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from dynamic_ablation import measure
+
+from confkv.bench.suite import Evaluator, baseline_policy, matched_budget, scaled_dynamic, suite_spec
+from confkv.controllers import BudgetState, DynamicController, StepSignals
+
+_UNSURE = {"entropy": math.inf, "gap": 0.0, "top1_prob": 0.0}
+_SURE = {"entropy": 0.0, "gap": 1.0, "top1_prob": 1.0}
+
+
+@dataclasses.dataclass
+class Chain:
+    """A two-state Markov chain over uncertain (True) / confident (False) steps."""
+
+    p_unsure_after_unsure: float
+    p_unsure_after_sure: float
+
+    @property
+    def stationary(self) -> float:
+        """Long-run share of uncertain steps."""
+        denom = 1.0 - self.p_unsure_after_unsure + self.p_unsure_after_sure
+        return self.p_unsure_after_sure / denom if denom > 0 else 1.0
+
+    @staticmethod
+    def fit(transitions: Counter[tuple[bool, bool]]) -> Chain:
+        def rate(prev: bool) -> float:
+            total = transitions[(prev, True)] + transitions[(prev, False)]
+            return transitions[(prev, True)] / total if total else 0.0
+
+        return Chain(rate(True), rate(False))
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Counter[tuple[bool, bool]]]:
+    """Count the rule's (previous, current) decisions while the block runs."""
+    original = DynamicController.update
+    counts: Counter[tuple[bool, bool]] = Counter()
+
+    def update(self: DynamicController, state: BudgetState, s: StepSignals) -> BudgetState:
+        new = original(self, state, s)
+        if state.steps:
+            counts[(state.uncertain, new.uncertain)] += 1
+        return new
+
+    DynamicController.update = update  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        DynamicController.update = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def placebo(chain: Chain, seed: int) -> Iterator[Counter[tuple[bool, bool]]]:
+    """Feed the rule decisions drawn from ``chain`` instead of the model's signals while the block runs."""
+    original = DynamicController.update
+    rng = random.Random(seed)
+    counts: Counter[tuple[bool, bool]] = Counter()
+
+    def update(self: DynamicController, state: BudgetState, s: StepSignals) -> BudgetState:
+        if state.steps:
+            p = chain.p_unsure_after_unsure if state.uncertain else chain.p_unsure_after_sure
+        else:
+            p = chain.stationary
+        unsure = rng.random() < p
+        new = original(self, state, dataclasses.replace(s, **(_UNSURE if unsure else _SURE)))
+        if state.steps:
+            counts[(state.uncertain, new.uncertain)] += 1
+        return new
+
+    DynamicController.update = update  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        DynamicController.update = original  # type: ignore[method-assign]
+
+
+def share_unsure(counts: Counter[tuple[bool, bool]]) -> float:
+    total = sum(counts.values())
+    return sum(v for (_, cur), v in counts.items() if cur) / total if total else 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--items", type=int, default=2, help="items per workload (the standard suite's first ones)")
+    p.add_argument("--workloads", default="prose,longgen,chat")
+    p.add_argument("--budgets", default="64,128,256,384,512,768", help="fixed budgets (tokens) of the sweep")
+    p.add_argument("--seed", type=int, default=0, help="the placebo chain's seed")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    spec = suite_spec(args.model, "standard")
+    shrink = {name: {**getattr(spec, name), "n": min(args.items, getattr(spec, name)["n"])}
+              for name in ("prose", "longgen", "chat")}  # fmt: skip
+    spec = dataclasses.replace(spec, **shrink)
+    t0 = time.perf_counter()
+    ev = Evaluator.prepare(args.model, spec, progress=sys.stderr.isatty())
+    print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    base = scaled_dynamic(spec.scale)
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    result: dict[str, Any] = {"model": args.model, "items": args.items, "base": base.model_dump(mode="json"),
+                              "workloads": {}}  # fmt: skip
+    for workload in (w for w in args.workloads.split(",") if w):
+        t1 = time.perf_counter()
+        sweep = []
+        for budget in budgets:
+            m, u = measure(ev, baseline_policy(base, "snapkv", budget), workload)
+            sweep.append({"budget": budget, "kv": u.fraction_mean, "kl": m["kl"]})
+            print(f"{workload:>8} snapkv@{budget:<5} kv {100 * u.fraction_mean:5.1f}%  kl {m['kl']:.4f}", flush=True)
+        runs = {}
+        with recording() as counts:
+            m, u = measure(ev, base, workload)
+        chain = Chain.fit(counts)
+        runs["dynamic"] = (m, u, counts)
+        with placebo(chain, args.seed) as pcounts:
+            m, u = measure(ev, base, workload)
+        runs["placebo"] = (m, u, pcounts)
+        entry: dict[str, Any] = {"sweep": sweep, "chain": dataclasses.asdict(chain)}
+        for name, (m, u, c) in runs.items():
+            budget = matched_budget([u], u.resident, base)
+            bm, bu = measure(ev, baseline_policy(base, "snapkv", budget), workload)
+            entry[name] = {"kv": u.fraction_mean, "kl": m["kl"], "share_unsure": share_unsure(c),
+                           "matched": {"budget": budget, "kv": bu.fraction_mean, "kl": bm["kl"]}}  # fmt: skip
+            print(f"{workload:>8} {name:<8} kv {100 * u.fraction_mean:5.1f}%  kl {m['kl']:.4f}  unsure "
+                  f"{100 * share_unsure(c):4.1f}% | snapkv@{budget} kv {100 * bu.fraction_mean:5.1f}%  kl "
+                  f"{bm['kl']:.4f}", flush=True)  # fmt: skip
+        entry["seconds"] = time.perf_counter() - t1
+        result["workloads"][workload] = entry
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
