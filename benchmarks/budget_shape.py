@@ -66,38 +66,21 @@ class Chain:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[Counter[tuple[bool, bool]]]:
-    """Count the rule's (previous, current) decisions while the block runs."""
-    original = DynamicController.update
-    counts: Counter[tuple[bool, bool]] = Counter()
-
-    def update(self: DynamicController, state: BudgetState, s: StepSignals) -> BudgetState:
-        new = original(self, state, s)
-        if state.steps:
-            counts[(state.uncertain, new.uncertain)] += 1
-        return new
-
-    DynamicController.update = update  # type: ignore[method-assign]
-    try:
-        yield counts
-    finally:
-        DynamicController.update = original  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def placebo(chain: Chain, seed: int) -> Iterator[Counter[tuple[bool, bool]]]:
-    """Feed the rule decisions drawn from ``chain`` instead of the model's signals while the block runs."""
+def rule_hook(chain: Chain | None = None, seed: int = 0) -> Iterator[Counter[tuple[bool, bool]]]:
+    """While the block runs, count the rule's (previous, current) decisions; with ``chain``, feed the rule decisions
+    drawn from it instead of the model's signals (the placebo)."""
     original = DynamicController.update
     rng = random.Random(seed)
     counts: Counter[tuple[bool, bool]] = Counter()
 
     def update(self: DynamicController, state: BudgetState, s: StepSignals) -> BudgetState:
-        if state.steps:
-            p = chain.p_unsure_after_unsure if state.uncertain else chain.p_unsure_after_sure
-        else:
-            p = chain.stationary
-        unsure = rng.random() < p
-        new = original(self, state, dataclasses.replace(s, **(_UNSURE if unsure else _SURE)))
+        if chain is not None:
+            if state.steps:
+                p = chain.p_unsure_after_unsure if state.uncertain else chain.p_unsure_after_sure
+            else:
+                p = chain.stationary
+            s = dataclasses.replace(s, **(_UNSURE if rng.random() < p else _SURE))
+        new = original(self, state, s)
         if state.steps:
             counts[(state.uncertain, new.uncertain)] += 1
         return new
@@ -142,11 +125,11 @@ def main() -> None:
             sweep.append({"budget": budget, "kv": u.fraction_mean, "kl": m["kl"]})
             print(f"{workload:>8} snapkv@{budget:<5} kv {100 * u.fraction_mean:5.1f}%  kl {m['kl']:.4f}", flush=True)
         runs = {}
-        with recording() as counts:
+        with rule_hook() as counts:
             m, u = measure(ev, base, workload)
         chain = Chain.fit(counts)
         runs["dynamic"] = (m, u, counts)
-        with placebo(chain, args.seed) as pcounts:
+        with rule_hook(chain, args.seed) as pcounts:
             m, u = measure(ev, base, workload)
         runs["placebo"] = (m, u, pcounts)
         entry: dict[str, Any] = {"sweep": sweep, "chain": dataclasses.asdict(chain)}
