@@ -15,6 +15,12 @@ Two measurements on the standard suite's held-out items (teacher-forced; mean KL
    not where the model is unsure. Real ahead of placebo: the signal puts memory where it pays. Real no better: on
    this workload the signal carries nothing the rule can use. Each run is matched with a fixed ``snapkv`` budget at
    its own measured mean memory (``confkv.bench.suite.matched_budget``).
+3. **Oracle** (``--oracle``). The same rule fed a signal that knows the future: before each token it is told
+   whether the next ``compact_interval`` tokens (the chunk its decision governs) are among the hardest for a fixed
+   ``snapkv`` budget of ``base_size``, measured per token in a first run (mean KL to full over the chunk above a
+   threshold that flags the same share of steps as the model's own signal did). No causal signal can place memory
+   better than this one; if the oracle does not beat a fixed budget at its own memory, no confidence signal can on
+   this workload. Items are scored one at a time so that each run's controller knows its item.
 
 The placebo replaces ``DynamicController.update`` for the duration of one run (the only place a signal enters the
 rule); nothing else changes. ``--json`` writes every number.
@@ -34,10 +40,13 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from dynamic_ablation import measure
 
-from confkv.bench.suite import Evaluator, baseline_policy, matched_budget, scaled_dynamic, suite_spec
+from confkv.bench.suite import Evaluator, Usage, baseline_policy, matched_budget, scaled_dynamic, suite_spec
+from confkv.config import CachePolicy
 from confkv.controllers import BudgetState, DynamicController, StepSignals
+from confkv.scoring import ScoreItem, Scorer
 
 _UNSURE = {"entropy": math.inf, "gap": 0.0, "top1_prob": 0.0}
 _SURE = {"entropy": 0.0, "gap": 1.0, "top1_prob": 1.0}
@@ -66,15 +75,20 @@ class Chain:
 
 
 @contextlib.contextmanager
-def rule_hook(chain: Chain | None = None, seed: int = 0) -> Iterator[Counter[tuple[bool, bool]]]:
+def rule_hook(
+    chain: Chain | None = None, seed: int = 0, oracle: list[bool] | None = None
+) -> Iterator[Counter[tuple[bool, bool]]]:
     """While the block runs, count the rule's (previous, current) decisions; with ``chain``, feed the rule decisions
-    drawn from it instead of the model's signals (the placebo)."""
+    drawn from it instead of the model's signals (the placebo); with ``oracle``, the decision of the ``steps``-th
+    update is ``oracle[steps]`` (one sequence at a time)."""
     original = DynamicController.update
     rng = random.Random(seed)
     counts: Counter[tuple[bool, bool]] = Counter()
 
     def update(self: DynamicController, state: BudgetState, s: StepSignals) -> BudgetState:
-        if chain is not None:
+        if oracle is not None:
+            s = dataclasses.replace(s, **(_UNSURE if oracle[min(state.steps, len(oracle) - 1)] else _SURE))
+        elif chain is not None:
             if state.steps:
                 p = chain.p_unsure_after_unsure if state.uncertain else chain.p_unsure_after_sure
             else:
@@ -92,6 +106,35 @@ def rule_hook(chain: Chain | None = None, seed: int = 0) -> Iterator[Counter[tup
         DynamicController.update = original  # type: ignore[method-assign]
 
 
+def hard_ahead(kl: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per scored token ``j``: the mean KL over tokens ``j+1 .. j+chunk`` (what the decision after ``j`` governs)."""
+    padded = torch.cat([kl.double(), kl.new_zeros(chunk, dtype=torch.float64)])
+    csum = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+    j = torch.arange(len(kl))
+    return (csum[j + 1 + chunk] - csum[j + 1]) / chunk
+
+
+def score_oracle(
+    ev: Evaluator, base: CachePolicy, workload: str, share: float
+) -> tuple[dict[str, Any], Usage, Counter[tuple[bool, bool]]]:
+    """``dynamic`` under the oracle signal (module docstring, item 3), flagging ``share`` of the steps."""
+    refs = ev.references[workload]
+    items = [ScoreItem(r.scored_ids, r.score_from, r.topk) for r in refs]
+    low = Scorer(ev.llm(baseline_policy(base, "snapkv", base.base_size)).engine).score(items)
+    ahead = [hard_ahead(r.kl, base.compact_interval) for r in low]
+    threshold = float(torch.quantile(torch.cat(ahead), 1.0 - share)) if share > 0 else math.inf
+    usage, counts = Usage("chunked"), Counter()
+    kl_sum = tokens = 0.0
+    for ref, item, a in zip(refs, items, ahead, strict=True):
+        with rule_hook(oracle=(a > threshold).tolist()) as c:
+            (res,) = Scorer(ev.llm(base).engine).score([item])
+        counts.update(c)
+        usage.add_scored(res, len(ref.scored_ids))
+        kl_sum += float(res.kl.sum())
+        tokens += res.num_tokens
+    return {"kl": kl_sum / tokens}, usage, counts
+
+
 def share_unsure(counts: Counter[tuple[bool, bool]]) -> float:
     total = sum(counts.values())
     return sum(v for (_, cur), v in counts.items() if cur) / total if total else 0.0
@@ -104,6 +147,8 @@ def main() -> None:
     p.add_argument("--workloads", default="prose,longgen,chat")
     p.add_argument("--budgets", default="64,128,256,384,512,768", help="fixed budgets (tokens) of the sweep")
     p.add_argument("--seed", type=int, default=0, help="the placebo chain's seed")
+    p.add_argument("--oracle", action="store_true", help="add the oracle run (teacher-forced workloads only)")
+    p.add_argument("--no-placebo", action="store_true", help="leave the placebo run out")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     spec = suite_spec(args.model, "standard")
@@ -129,9 +174,12 @@ def main() -> None:
             m, u = measure(ev, base, workload)
         chain = Chain.fit(counts)
         runs["dynamic"] = (m, u, counts)
-        with rule_hook(chain, args.seed) as pcounts:
-            m, u = measure(ev, base, workload)
-        runs["placebo"] = (m, u, pcounts)
+        if not args.no_placebo:
+            with rule_hook(chain, args.seed) as pcounts:
+                m, u = measure(ev, base, workload)
+            runs["placebo"] = (m, u, pcounts)
+        if args.oracle:
+            runs["oracle"] = score_oracle(ev, base, workload, share_unsure(counts))
         entry: dict[str, Any] = {"sweep": sweep, "chain": dataclasses.asdict(chain)}
         for name, (m, u, c) in runs.items():
             budget = matched_budget([u], u.resident, base)
