@@ -13,8 +13,8 @@ Two measurements on the standard suite's held-out items (teacher-forced; mean KL
    statistics: a two-state Markov chain fitted to the first run's decisions (the same share of uncertain steps and
    the same mean run lengths), fed to the same rule in place of the model's signals. The budget swings alike, but
    not where the model is unsure. Real ahead of placebo: the signal puts memory where it pays. Real no better: on
-   this workload the signal carries nothing the rule can use. Each run is matched with a fixed ``snapkv`` budget at
-   its own measured mean memory (``confkv.bench.suite.matched_budget``).
+   this workload the signal carries nothing the rule can use. Each run is matched with a fixed ``snapkv`` budget
+   (``--match``: other fixed policies too) at its own measured mean memory (``confkv.bench.suite.matched_budget``).
 3. **Oracle** (``--oracle``). The same rule fed a signal that knows the future: before each token it is told
    whether the next ``compact_interval`` tokens (the chunk its decision governs) are among the hardest for a fixed
    ``snapkv`` budget of ``base_size``, measured per token in a first run (mean KL to full over the chunk above a
@@ -44,7 +44,7 @@ import torch
 from dynamic_ablation import measure
 
 from confkv.bench.suite import Evaluator, Usage, baseline_policy, matched_budget, scaled_dynamic, suite_spec
-from confkv.config import CachePolicy
+from confkv.config import CachePolicy, load_policy_file
 from confkv.controllers import BudgetState, DynamicController, StepSignals
 from confkv.scoring import ScoreItem, Scorer
 
@@ -149,6 +149,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="the placebo chain's seed")
     p.add_argument("--oracle", action="store_true", help="add the oracle run (teacher-forced workloads only)")
     p.add_argument("--no-placebo", action="store_true", help="leave the placebo run out")
+    p.add_argument("--match", default="snapkv", help="fixed policies matched to each run's memory (comma-separated)")
+    p.add_argument("--policy-file", default=None, help="a dynamic policy (YAML) in place of the suite's scaled default")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     spec = suite_spec(args.model, "standard")
@@ -158,7 +160,7 @@ def main() -> None:
     t0 = time.perf_counter()
     ev = Evaluator.prepare(args.model, spec, progress=sys.stderr.isatty())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
-    base = scaled_dynamic(spec.scale)
+    base = load_policy_file(args.policy_file) if args.policy_file else scaled_dynamic(spec.scale)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     result: dict[str, Any] = {"model": args.model, "items": args.items, "base": base.model_dump(mode="json"),
                               "workloads": {}}  # fmt: skip
@@ -183,12 +185,14 @@ def main() -> None:
         entry: dict[str, Any] = {"sweep": sweep, "chain": dataclasses.asdict(chain)}
         for name, (m, u, c) in runs.items():
             budget = matched_budget([u], u.resident, base)
-            bm, bu = measure(ev, baseline_policy(base, "snapkv", budget), workload)
-            entry[name] = {"kv": u.fraction_mean, "kl": m["kl"], "share_unsure": share_unsure(c),
-                           "matched": {"budget": budget, "kv": bu.fraction_mean, "kl": bm["kl"]}}  # fmt: skip
-            print(f"{workload:>8} {name:<8} kv {100 * u.fraction_mean:5.1f}%  kl {m['kl']:.4f}  unsure "
-                  f"{100 * share_unsure(c):4.1f}% | snapkv@{budget} kv {100 * bu.fraction_mean:5.1f}%  kl "
-                  f"{bm['kl']:.4f}", flush=True)  # fmt: skip
+            entry[name] = {"kv": u.fraction_mean, "kl": m["kl"], "share_unsure": share_unsure(c), "matched": {}}
+            line = f"{workload:>8} {name:<8} kv {100 * u.fraction_mean:5.1f}%  kl {m['kl']:.4f}  unsure "
+            line += f"{100 * share_unsure(c):4.1f}%"
+            for fixed in args.match.split(","):
+                bm, bu = measure(ev, baseline_policy(base, fixed, budget), workload)
+                entry[name]["matched"][fixed] = {"budget": budget, "kv": bu.fraction_mean, "kl": bm["kl"]}
+                line += f" | {fixed}@{budget} kv {100 * bu.fraction_mean:5.1f}%  kl {bm['kl']:.4f}"
+            print(line, flush=True)
         entry["seconds"] = time.perf_counter() - t1
         result["workloads"][workload] = entry
     if args.json:
