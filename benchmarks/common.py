@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from confkv.bench.suite import git_commit
 from confkv.bench.workloads import render_chat
+from confkv.engine.engine import LLMEngine
 from confkv.model_loader import LoadedModel, load_model, resolve_device
 
 #: Eight chat prompts of different lengths, the same for engine and Hugging Face runs.
@@ -61,6 +62,24 @@ def load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
 
 def chat_ids(loaded: LoadedModel, prompt: str) -> list[int]:
     return list(render_chat(loaded.tokenizer, [{"role": "user", "content": prompt}]))
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_windows(loaded: LoadedModel, context: int, batch: int, stride: int = 37) -> list[list[int]]:
+    """``batch`` prompts of ``context`` tokens: overlapping windows of README.md, ``stride`` tokens apart (the text
+    repeated when it is too short), so decode-step timings see distinct sequences of a chosen length."""
+    ids = loaded.tokenizer(README.read_text())["input_ids"]
+    if len(ids) < context + stride * batch:
+        ids = ids * (1 + (context + stride * batch) // len(ids))
+    return [ids[i * stride : i * stride + context] for i in range(batch)]
+
+
+def read_prompts(engine: LLMEngine) -> None:
+    """Step ``engine`` until every request it holds has read its prompt and sampled a first token."""
+    while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
 
 
 def report(args: argparse.Namespace, result: dict) -> None:

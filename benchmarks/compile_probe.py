@@ -20,16 +20,13 @@ Reported: prompt-reading seconds (compilation included), the settling steps' sec
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
-from common import load, parser, report, setup
+from common import load, parser, read_prompts, readme_windows, report, setup
 from transformers import AttentionInterface
 
 from confkv import LLM, SamplingParams
 from confkv.kv import attention
-
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def main() -> None:
@@ -41,8 +38,7 @@ def main() -> None:
     args = p.parse_args()
     device, env = setup(args)
     loaded = load(args, device)
-    ids = loaded.tokenizer(README.read_text())["input_ids"]
-    prompts = [ids[i * 37 : i * 37 + args.context] for i in range(args.batch)]
+    prompts = readme_windows(loaded, args.context, args.batch)
     result: dict = {**env, "batch": args.batch, "context": args.context}
     for mode in args.modes.split(","):
         # each compiled mode needs the model's own nn.Linear layers: load it afresh (the engine packs in place)
@@ -62,8 +58,7 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{mode}-{i}", prompt, params)
         t0 = time.perf_counter()
-        while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()
+        read_prompts(engine)
         result[f"{mode}_prompts_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(5):

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import resource
 import time
-from pathlib import Path
 
-from common import load, parser, report, setup
+from common import load, parser, read_prompts, readme_windows, report, setup
 from torch.profiler import ProfilerActivity, profile
 
 from confkv import LLM, SamplingParams
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 SETTLE_STEPS = 20
 
 
@@ -34,10 +32,7 @@ def main() -> None:
     args = p.parse_args()
     device, env = setup(args)
     loaded = load(args, device)
-    ids = loaded.tokenizer(README.read_text())["input_ids"]
-    if len(ids) < args.context + 37 * args.batch:
-        ids = ids * (1 + (args.context + 37 * args.batch) // len(ids))
-    prompts = [ids[i * 37 : i * 37 + args.context] for i in range(args.batch)]
+    prompts = readme_windows(loaded, args.context, args.batch)
     result: dict = {**env, "context": args.context, "batch": args.batch, "steps": args.steps}
     params = SamplingParams(max_tokens=SETTLE_STEPS + args.steps + 2, ignore_eos=True)
     for policy in args.policies.split(","):
@@ -45,8 +40,7 @@ def main() -> None:
         engine = llm.engine
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
-        while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()
+        read_prompts(engine)
         for _ in range(SETTLE_STEPS):
             engine.step()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
