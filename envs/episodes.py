@@ -89,6 +89,19 @@ class TuneData:
         return LLM(self.model, policy or self.base_policy, loaded=self.loaded, **{**self.engine, **engine})
 
 
+def scaled_sizes(model: str, scale: int = 1) -> dict[str, dict[str, Any]]:
+    """The model's size class with ``scale`` times as many items of every kind.
+
+    At scale 1 the ``mixed`` split holds 10 episodes, two of them pass keys: one item moves a policy's mean reward
+    by several percent, so a search or an agent's best evaluation can pick an item's luck rather than a better
+    policy. More items cost proportionally more per evaluation and nothing per PPO update.
+    """
+    if scale < 1:
+        raise ValueError(f"items scale must be at least 1 (got {scale})")
+    base = SIZES["tiny" if model == "tiny-random" else "quick"]
+    return {name: {**spec, "n": spec["n"] * scale} for name, spec in base.items()}
+
+
 def default_base_policy(model: str) -> CachePolicy:
     """The requirement's dynamic defaults, sized for the episodes' lengths (an eighth; a thirty-second on tiny)."""
     from confkv.bench.suite import scaled_dynamic
@@ -114,7 +127,7 @@ def build_episodes(
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(TUNE_WORKLOADS)}")
     loaded = loaded or load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
     engine = {"kv_cache_memory": kv_cache_memory} if kv_cache_memory is not None else {}
-    sizes = sizes or SIZES["tiny" if model == "tiny-random" else "quick"]
+    sizes = sizes or scaled_sizes(model)
     names = ["prose", "longgen", "chat", "passkey", "multikey"] if workload == "mixed" else [workload]
     full = LLM(model, "full", loaded=loaded, seed=seed, **engine)
     store = ReferenceStore(full)

@@ -18,7 +18,7 @@ from confkv.config import load_policy_file
 from confkv.errors import ConfkvError
 from confkv.learned import OBS_DIM, KnobSpace, MLPPolicy
 from envs.env import ConfKVEnv, ConfKVVecEnv, RewardWeights
-from envs.episodes import build_episodes
+from envs.episodes import build_episodes, scaled_sizes
 from envs.evaluate import evaluate_agent, evaluate_policy
 from tuner.cli import main as tune_main
 
@@ -35,6 +35,25 @@ def test_episodes_cover_the_mixed_workload(data):
     heldout = build_episodes("tiny-random", workload="mixed", split="heldout", loaded=data.loaded)
     train_ids = {tuple(ep.item.token_ids) for ep in data.episodes}
     assert not train_ids & {tuple(ep.item.token_ids) for ep in heldout.episodes}
+
+
+def test_items_scale_multiplies_every_kind_and_keeps_the_splits_apart(data):
+    twice = build_episodes("tiny-random", split="train", loaded=data.loaded, sizes=scaled_sizes("tiny-random", 2))
+    heldout = build_episodes("tiny-random", split="heldout", loaded=data.loaded, sizes=scaled_sizes("tiny-random", 2))
+    for kind in {ep.workload for ep in data.episodes}:
+        n = sum(ep.workload == kind for ep in data.episodes)
+        assert sum(ep.workload == kind for ep in twice.episodes) == 2 * n
+    ids = [tuple(ep.item.token_ids) for ep in twice.episodes]
+    assert len(set(ids)) == len(ids)
+    assert {tuple(ep.item.token_ids) for ep in data.episodes} <= set(ids)
+    assert not set(ids) & {tuple(ep.item.token_ids) for ep in heldout.episodes}
+    with pytest.raises(ValueError, match="at least 1"):
+        scaled_sizes("tiny-random", 0)
+
+
+def test_items_scale_below_one_is_a_cli_error(tmp_path, capsys):
+    assert tune_main(["eval", "default", "--model", "tiny-random", "--items-scale", "0", "--no-mlflow"]) == 2
+    assert "--items-scale must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("action", ["knobs", "budget"])

@@ -52,6 +52,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-weight", type=float, default=1.0)
     p.add_argument("--quality-weight", type=float, default=2.0)
     p.add_argument("--task-weight", type=float, default=1.0)
+    p.add_argument(
+        "--items-scale", type=int, default=1, metavar="K",
+        help="K times as many items of every kind in the episodes (the mixed split holds 10 at 1): fewer items "
+        "let one pass key decide a comparison",
+    )  # fmt: skip
 
 
 def _tracking(p: argparse.ArgumentParser) -> None:
@@ -158,12 +163,15 @@ def _weights(args: argparse.Namespace):
 
 
 def _data(args: argparse.Namespace, split: str):
-    from envs.episodes import TUNE_WORKLOADS, build_episodes
+    from envs.episodes import TUNE_WORKLOADS, build_episodes, scaled_sizes
 
     if args.workload not in TUNE_WORKLOADS:
         raise ConfkvError(f"unknown workload {args.workload!r}; choose one of {', '.join(TUNE_WORKLOADS)}")
+    if args.items_scale < 1:
+        raise ConfkvError(f"--items-scale must be at least 1 (got {args.items_scale})")
     return build_episodes(args.model, workload=args.workload, split=split, seed=args.seed, device=args.device,
-                          dtype=args.dtype, cache_dir=args.cache_dir, kv_cache_memory=args.kv_cache_memory)  # fmt: skip
+                          dtype=args.dtype, cache_dir=args.cache_dir, kv_cache_memory=args.kv_cache_memory,
+                          sizes=scaled_sizes(args.model, args.items_scale))  # fmt: skip
 
 
 def resolve_policy_arg(
@@ -304,7 +312,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         params.update(_warm_start(args, data, scorers))
     params.update({
         "algo": args.algo, "model": args.model, "workload": args.workload, "seed": args.seed,
-        "episodes": len(data.episodes), "timesteps": args.timesteps, "trials": args.trials, "action": args.action,
+        "episodes": len(data.episodes), "items_scale": args.items_scale, "timesteps": args.timesteps,
+        "trials": args.trials, "action": args.action,
         "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, **weights.__dict__,
         **{f"base_{k}": v for k, v in tuned_base.model_dump(
             include={"base_size", "max_size", "min_recent", "compact_interval", "entropy_threshold", "gap_threshold",
@@ -553,7 +562,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     weights = _weights(args)
     knobs = policy.model_dump(exclude={"learned_path"}, exclude_none=True)
     params = {"policy": args.policy, "controller": policy.controller, "model": args.model, "workload": args.workload,
-              "split": args.split, "seed": args.seed, "episodes": len(data.episodes), **weights.__dict__,
+              "split": args.split, "seed": args.seed, "episodes": len(data.episodes),
+              "items_scale": args.items_scale, **weights.__dict__,
               **{f"policy_{k}": v for k, v in knobs.items()}}  # fmt: skip
     with _maybe_run(args, f"eval-{Path(args.policy).name or args.policy}-{args.model}-{args.split}", params, "eval"):
         metrics = evaluate_policy(data, policy, weights)
@@ -587,7 +597,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if name != "dynamic":
             named.append((name, resolve_policy_arg(name, data.base_policy)))
     params = {"model": args.model, "workload": args.workload, "split": args.split, "seed": args.seed,
-              "episodes": len(data.episodes), "policies": ",".join(n for n, _ in named), **_weights(args).__dict__,
+              "episodes": len(data.episodes), "items_scale": args.items_scale,
+              "policies": ",".join(n for n, _ in named), **_weights(args).__dict__,
               **{f"policy.{item.partition('=')[0]}": item.partition("=")[2] for item in args.policy}}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
