@@ -51,7 +51,7 @@ def test_items_scale_multiplies_every_kind_and_keeps_the_splits_apart(data):
         scaled_sizes("tiny-random", 0)
 
 
-def test_items_scale_below_one_is_a_cli_error(tmp_path, capsys):
+def test_items_scale_below_one_is_a_cli_error(capsys):
     assert tune_main(["eval", "default", "--model", "tiny-random", "--items-scale", "0", "--no-mlflow"]) == 2
     assert "--items-scale must be at least 1" in capsys.readouterr().err
 
