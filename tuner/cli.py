@@ -167,11 +167,13 @@ def _data(args: argparse.Namespace, split: str):
 
     if args.workload not in TUNE_WORKLOADS:
         raise ConfkvError(f"unknown workload {args.workload!r}; choose one of {', '.join(TUNE_WORKLOADS)}")
-    if args.items_scale < 1:
-        raise ConfkvError(f"--items-scale must be at least 1 (got {args.items_scale})")
+    try:
+        sizes = scaled_sizes(args.model, args.items_scale)
+    except ValueError:
+        raise ConfkvError(f"--items-scale must be at least 1 (got {args.items_scale})") from None
     return build_episodes(args.model, workload=args.workload, split=split, seed=args.seed, device=args.device,
                           dtype=args.dtype, cache_dir=args.cache_dir, kv_cache_memory=args.kv_cache_memory,
-                          sizes=scaled_sizes(args.model, args.items_scale))  # fmt: skip
+                          sizes=sizes)  # fmt: skip
 
 
 def resolve_policy_arg(
