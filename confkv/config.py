@@ -66,9 +66,12 @@ class CachePolicy(BaseModel):
         "(default: memory_high_watermark - 0.1)",
     )
     snapkv_window: int = Field(32, ge=1, description="prompt queries that vote for the tokens snapkv keeps")
+    attention_decay: float = Field(
+        0.95, ge=0, le=1, description="what each decode step multiplies the decayed scorer's recorded attention by"
+    )
     scorer: str | None = Field(
         None,
-        description="how evictable blocks are ranked (h2o, snapkv, tova, knorm, recency); default: the "
+        description="how evictable blocks are ranked (h2o, snapkv, tova, knorm, recency, decayed); default: the "
         "controller's own (dynamic: snapkv)",
     )
     recompute_tokens: int = Field(1, ge=1, description="trailing tokens recomputed after a recall (dynamic)")

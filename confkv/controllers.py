@@ -74,6 +74,10 @@ class Controller(ABC):
         return self.scorer.decode_attention if self.scorer else "none"
 
     @property
+    def decode_decay(self) -> float:
+        return self.scorer.decode_decay if self.scorer else 1.0
+
+    @property
     def prefill_window(self) -> int:
         return self.scorer.prefill_window if self.scorer else 0
 

@@ -38,7 +38,7 @@ def _order(scorer: str, view: BlockView) -> list[int]:
 
 
 def test_every_method_is_registered():
-    assert set(SCORER_NAMES) == {"recency", "h2o", "snapkv", "knorm", "tova"}
+    assert set(SCORER_NAMES) == {"recency", "h2o", "snapkv", "knorm", "tova", "decayed"}
     with pytest.raises(ValueError, match="unknown scorer"):
         make_scorer("magic", CachePolicy())
 
@@ -47,7 +47,7 @@ def test_recency_evicts_oldest_first():
     assert _order("recency", _view([[9] * BS, [0] * BS, [5] * BS])) == [10, 11, 12]
 
 
-@pytest.mark.parametrize("scorer", ["h2o", "tova"])
+@pytest.mark.parametrize("scorer", ["h2o", "tova", "decayed"])
 def test_attention_scorers_evict_the_least_attended(scorer):
     view = _view([[1, 1, 1, 1], [0, 0, 0, 0.5], [3, 0, 0, 0], [0.2, 0, 0, 0]])
     assert _order(scorer, view) == [13, 11, 12, 10]
@@ -154,3 +154,32 @@ def test_snapkv_trims_a_long_prompt_between_chunks_by_each_chunks_vote(tiny):
         _, pos = table.resident_slots(table.num_tokens, torch.device("cpu"))
         kept_old |= int(pos.min()) < table.num_tokens - 64  # a token older than the last 64 survived a trim
     assert kept_old
+
+
+def _resident_votes(llm: LLM) -> torch.Tensor:
+    """The recorded votes of request ``r``'s resident tokens, in position order."""
+    seq = llm.engine.sequence("r")
+    slots, _ = seq.kv.table.resident_slots(seq.kv.table.num_tokens, torch.device("cpu"))
+    return llm.engine.pool.score[slots].clone()
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5, 1.0])
+def test_decayed_scores_are_a_moving_sum_of_decode_attention(tiny, decay):
+    """Each decode step scales what was recorded by ``attention_decay`` and adds its query's attention, which TOVA
+    (the newest query only) records alone: decayed = decay * before + tova, step by step; decay 0 is TOVA."""
+    prompt = "What fades and what stays is a matter of the steps since. " * 3
+    policy = dict(base_size=512, max_size=512, min_recent=16, max_num_batched_tokens=512)
+    decayed = LLM("tiny-random", "dynamic", loaded=tiny, scorer="decayed", attention_decay=decay, **policy)
+    tova = LLM("tiny-random", "dynamic", loaded=fresh_tiny(), scorer="tova", **policy)
+    for llm in (decayed, tova):
+        llm.engine.add_request("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        while not llm.engine.sequence("r").output_token_ids:
+            llm.engine.step()
+    for _ in range(5):
+        before = _resident_votes(decayed)
+        decayed.engine.step()
+        tova.engine.step()
+        after, newest = _resident_votes(decayed), _resident_votes(tova)
+        assert float(newest.sum()) > 0
+        expected = torch.cat([before * decay, torch.zeros(len(after) - len(before))]) + newest
+        torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-5)

@@ -49,13 +49,15 @@ def test_full_kl_to_own_reference_is_zero(tiny):
         assert r.kl is not None and float(r.kl.abs().max()) < 1e-5
 
 
-def test_evicting_policy_scores_within_budget_and_diverges(tiny):
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o", "tova", "decayed"])
+def test_evicting_policy_scores_within_budget_and_diverges(tiny, scorer):
+    """Every way of recording attention in teacher-forced chunks of output (window, accumulated, replaced, decayed)."""
     ref_llm = LLM("tiny-random", "full", loaded=fresh_tiny(), compact_interval=16)
     x = texts(ref_llm.tokenizer)[2]
     (ref,) = Scorer(ref_llm.engine).score([ScoreItem(x, 40)], keep_topk=32)
     llm = LLM(
         "tiny-random", "dynamic", loaded=tiny, base_size=64, max_size=160, min_recent=32, compact_interval=16,
-        entropy_threshold=5.0,
+        entropy_threshold=5.0, scorer=scorer,
     )  # fmt: skip
     (r,) = Scorer(llm.engine).score([ScoreItem(x, 40, ref.topk)])
     assert r.num_tokens == len(x) - 40

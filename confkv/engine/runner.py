@@ -57,9 +57,9 @@ class ModelRunner:
         slots: list[int] = []
         resident: list[int] = []
         decode_blocks: list[tuple[list[int], list[int]]] = []  # per decode row: (device block ids, logical indices)
-        decode_replace: list[int] = []  # decode rows whose recorded attention replaces the slots' previous mass
+        decode_decay: list[tuple[int, float]] = []  # decode rows that scale their slots' previous mass, and by what
         decode_qpos: list[int] = []
-        replace: list[torch.Tensor] = []  # slots whose recorded attention this pass replaces rather than adds to
+        decay: list[tuple[torch.Tensor, float]] = []  # slots whose previous mass this pass scales before adding
         decode_track: list[float] = []
         prefills: list[PrefillSpan] = []
         sample_rows: list[int] = []
@@ -88,9 +88,10 @@ class ModelRunner:
                 sampling.append(chunk)
             recorded = track and not chunk.rerun  # a rerun's attention was recorded by its first pass
             decode_mode = controller.decode_attention if recorded else "none"
+            factor = controller.decode_decay
             if n == 1:
-                if decode_mode == "replace":
-                    decode_replace.append(len(decode_blocks))
+                if decode_mode != "none" and factor < 1.0:
+                    decode_decay.append((len(decode_blocks), factor))
                 decode_blocks.append(table.resident_blocks(start + n))
                 decode_qpos.append(start)
                 decode_track.append(0.0 if decode_mode == "none" else 1.0)
@@ -104,20 +105,24 @@ class ModelRunner:
                 end = start + n
                 window_start = seq.num_prompt_tokens - window  # the prompt's last window
                 if start >= seq.num_prompt_tokens:  # a teacher-forced chunk of output: decode-time rules
-                    mode, window = {"none": ("none", 0), "accumulate": ("all", 0), "replace": ("window", 1)}[
-                        decode_mode
-                    ]
+                    # a decayed record counts the chunk's queries alike and decays what came before by n steps
+                    mode, window = {
+                        "none": ("none", 0),
+                        "accumulate": ("all", 0),
+                        "replace": ("window", 1),
+                        "decay": ("window", n),
+                    }[decode_mode]
                     window_start = end - window
-                    if decode_mode == "replace":
-                        replace.append(key_slots)
+                    if decode_mode in ("replace", "decay"):
+                        decay.append((key_slots, factor**n))
                 elif mode == "window":
                     if end <= window_start:
                         # the chunk ends before the prompt's last window: its own last queries vote, so the
                         # prompt can be trimmed before it is whole; the next chunk's vote replaces this one
                         window_start = end - window
-                        replace.append(key_slots)
+                        decay.append((key_slots, 0.0))
                     elif start <= max(window_start, 0) or decode_mode == "replace":
-                        replace.append(key_slots)  # the prompt's last window begins here: earlier votes go
+                        decay.append((key_slots, 0.0))  # the prompt's last window begins here: earlier votes go
                 prefills.append(
                     PrefillSpan(
                         q_start=row,
@@ -158,13 +163,16 @@ class ModelRunner:
             batch.capture_decode = capture_decode
             if any(decode_track):  # slots only where attention mass is recorded per slot
                 key_slots = (blocks[:, :, None] * bs + offsets).reshape(nd, width * bs)
-                replace.extend(key_slots[r][valid[r]].to(device) for r in decode_replace)
+                decay.extend((key_slots[r][valid[r]].to(device), f) for r, f in decode_decay)
                 batch.decode_slots = key_slots.to(device)
                 batch.decode_track = torch.tensor(decode_track, device=device)[:, None]
         if (batch.decode_track is not None) or any(p.track != "none" for p in prefills):
             batch.score = torch.zeros_like(self.pool.score)
-            if replace:
-                batch.replace_slots = torch.cat(replace)
+            if decay:
+                batch.decay_slots = torch.cat([slots for slots, _ in decay])
+                batch.decay_factors = torch.cat(
+                    [torch.full((len(slots),), f, dtype=batch.score.dtype, device=device) for slots, f in decay]
+                )
 
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
@@ -188,10 +196,11 @@ class ModelRunner:
         )
 
     def commit(self, res: ForwardResult) -> None:
-        """Add the attention mass the pass recorded to what scorers read (only once the pass has succeeded);
-        for scorers that keep only the newest query's attention, replace it instead."""
+        """Add the attention mass the pass recorded to what scorers read (only once the pass has succeeded),
+        first scaling down what was recorded before where the scorer decays it (to zero where it replaces it)."""
         batch = res.batch
         if batch.score is not None:
-            if batch.replace_slots is not None:
-                self.pool.score.index_fill_(0, batch.replace_slots, 0.0)
+            if batch.decay_slots is not None:
+                score, slots = self.pool.score, batch.decay_slots
+                score.index_copy_(0, slots, score.index_select(0, slots) * batch.decay_factors)
             self.pool.score.add_(batch.score)

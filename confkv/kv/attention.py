@@ -69,8 +69,10 @@ class PackedBatch:
     prefills: list[PrefillSpan] = field(default_factory=list)
     #: Attention mass recorded by this pass, per pool slot; the runner adds it to ``pool.score`` on success.
     score: torch.Tensor | None = None
-    #: Slots whose recorded mass this pass replaces (scorers that keep only the newest query's attention).
-    replace_slots: torch.Tensor | None = None
+    #: Slots whose previously recorded mass this pass scales by ``decay_factors`` before adding its own: 0 for
+    #: scorers that keep only the newest query's attention, between 0 and 1 for decayed accumulation.
+    decay_slots: torch.Tensor | None = None
+    decay_factors: torch.Tensor | None = None
     #: Set by ``probe``: what every layer call received, to check the model against what is implemented.
     probe: list[dict[str, Any]] | None = None
     #: Filled per layer when capture is on: decode rows then capturing prefill spans, in that order.

@@ -4,7 +4,7 @@ A cache policy is a budget rule (``full``, a fixed size, ``dynamic``, ``learned`
 ``window``, ``streaming``, ``h2o`` and ``snapkv`` are presets of the two.
 """
 
-from confkv.scorers import h2o, knorm, recency, snapkv, tova  # noqa: F401  (each registers its scorer)
+from confkv.scorers import decayed, h2o, knorm, recency, snapkv, tova  # noqa: F401  (each registers its scorer)
 from confkv.scorers.base import SCORERS, BlockScorer, BlockView, register
 
 SCORER_NAMES: tuple[str, ...] = tuple(SCORERS)

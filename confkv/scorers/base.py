@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from confkv.kv.pool import BlockPool
 
 PrefillRecord = Literal["none", "all", "window"]
-DecodeRecord = Literal["none", "accumulate", "replace"]
+DecodeRecord = Literal["none", "accumulate", "replace", "decay"]
 
 
 @dataclass
@@ -50,7 +50,8 @@ class BlockScorer(ABC):
     #: attention), or a window: the last ``prefill_window`` queries of each prompt chunk, whose vote replaces the
     #: previous chunk's (so the prompt can be trimmed between chunks), then the prompt's last ``prefill_window``.
     prefill_attention: ClassVar[PrefillRecord] = "none"
-    #: Whether decode queries' attention is added to what was recorded, replaces it, or is not recorded.
+    #: Whether decode queries' attention is added to what was recorded, replaces it, is added to what was recorded
+    #: scaled down by ``decode_decay`` (an exponential moving sum), or is not recorded.
     decode_attention: ClassVar[DecodeRecord] = "none"
 
     def __init__(self, policy: CachePolicy) -> None:
@@ -60,6 +61,11 @@ class BlockScorer(ABC):
     def prefill_window(self) -> int:
         """How many of the prompt's last queries vote when ``prefill_attention == "window"``."""
         return self.policy.snapkv_window
+
+    @property
+    def decode_decay(self) -> float:
+        """What a decode query's recording multiplies the mass recorded before it by: 1 accumulates, 0 replaces."""
+        return 0.0 if self.decode_attention == "replace" else 1.0
 
     @abstractmethod
     def score(self, view: BlockView) -> torch.Tensor:
