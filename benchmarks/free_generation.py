@@ -54,8 +54,8 @@ def main() -> None:
     runs: dict[str, tuple[dict, float]] = {}
     out, usage = ev.generate_long(variant, refs)
     runs[name] = (out, usage.fraction_mean or 0.0)
+    budget = matched_budget([usage], usage.resident, variant)
     for b in args.baselines.split(","):
-        budget = matched_budget([usage], usage.resident, variant)
         out_b, usage_b = ev.generate_long(baseline_policy(variant, b, budget), refs)
         runs[f"{b}@{budget}"] = (out_b, usage_b.fraction_mean or 0.0)
 

@@ -113,7 +113,7 @@ class ModelRunner:
                         "decay": ("window", n),
                     }[decode_mode]
                     window_start = end - window
-                    if decode_mode in ("replace", "decay"):
+                    if decode_mode != "none" and factor < 1.0:
                         decay.append((key_slots, factor**n))
                 elif mode == "window":
                     if end <= window_start:
