@@ -10,6 +10,12 @@ direct budget change; see ``confkv.learned``), (2) moves the sequence's applied 
 plus, on the last step of a pass-key or multi-key episode, ``task_weight`` if every answer token was the policy's
 top-1 choice. So the segment a step is rewarded for is the one its action governed, the last action included.
 
+With ``reference`` (``envs.evaluate.reference_rewards``), a step returns its reward minus what the base policy earns
+on the same segment of the same item. The subtracted term depends on the item and the step, never on the agent's
+actions, so it changes no policy's ranking; it removes the spread of returns between items (one prose text's KL is
+several times another's, a retrieval episode carries a task reward the base policy earns or not), which otherwise
+dominates the advantages an agent learns from. Episode summaries and evaluations keep the plain reward.
+
 The budget a knobs action implies (the *replay rule*): the budget the new knobs reach when replayed over the latest
 segment's signals from the budget that segment started with. A constant action replays to exactly the budget the
 rule already reached, so the fixed rule run as an agent is the engine's own ``dynamic`` policy; an exported agent
@@ -179,10 +185,13 @@ def segment_reward(st: ItemState, episode: Episode, weights: RewardWeights) -> t
 class _Slots:
     """Episodes in flight on one scoring session, one per slot."""
 
-    def __init__(self, data: TuneData, n: int, kind: str, weights: RewardWeights) -> None:
+    def __init__(
+        self, data: TuneData, n: int, kind: str, weights: RewardWeights, reference: dict[str, list[float]] | None = None
+    ) -> None:
         self.data = data
         self.kind = kind
         self.weights = weights
+        self.reference = reference
         self.space = data.knob_space()
         self.budget_range = budget_range(kind, data.base_policy, self.space)
         self.llm = data.llm(max_batch_size=max(n, 1))
@@ -238,6 +247,7 @@ class _Slots:
             reward, info = segment_reward(st, episode, self.weights)
             info["action"] = applied[slot]
             tot = self.totals[slot]
+            returned = reward - self._reference(episode, int(tot["steps"]))
             tot["reward"] += reward
             tot["kv_fraction"] += info["kv_fraction"]
             tot["kl"] += info["kl"]
@@ -253,8 +263,16 @@ class _Slots:
                     "kl": tot["kl"] / tot["steps"],
                     **({"task_correct": info["task_correct"]} if "task_correct" in info else {}),
                 }
-            out.append((observe(st, base, usage, self.budget_range), reward, st.done, info))
+            out.append((observe(st, base, usage, self.budget_range), returned, st.done, info))
         return out
+
+    def _reference(self, episode: Episode, step: int) -> float:
+        if self.reference is None:
+            return 0.0
+        steps = self.reference.get(episode.item_id)
+        if steps is None or step >= len(steps):
+            raise KeyError(f"no reference reward for step {step} of item {episode.item_id!r}")
+        return steps[step]
 
     def close(self) -> None:
         self.session.close()
@@ -265,12 +283,15 @@ class ConfKVEnv(gym.Env):
 
     metadata = {"render_modes": []}  # noqa: RUF012
 
-    def __init__(self, data: TuneData, action: str = "knobs", weights: RewardWeights | None = None) -> None:
+    def __init__(
+        self, data: TuneData, action: str = "knobs", weights: RewardWeights | None = None,
+        reference: dict[str, list[float]] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.data = data
         self.observation_space = observation_space()
         self.action_space = action_space(action, data.knob_space())
-        self._slots = _Slots(data, 1, action, weights or RewardWeights())
+        self._slots = _Slots(data, 1, action, weights or RewardWeights(), reference)
         self._live = False
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
@@ -301,12 +322,13 @@ class ConfKVVecEnv(VecEnv):
     """N episodes stepped as one engine batch (stable-baselines3's ``VecEnv``; auto-resets finished slots)."""
 
     def __init__(
-        self, data: TuneData, n_envs: int, action: str = "knobs", weights: RewardWeights | None = None, seed: int = 0
-    ) -> None:
+        self, data: TuneData, n_envs: int, action: str = "knobs", weights: RewardWeights | None = None, seed: int = 0,
+        reference: dict[str, list[float]] | None = None,
+    ) -> None:  # fmt: skip
         self.render_mode = None
         super().__init__(n_envs, observation_space(), action_space(action, data.knob_space()))
         self.data = data
-        self._slots = _Slots(data, n_envs, action, weights or RewardWeights())
+        self._slots = _Slots(data, n_envs, action, weights or RewardWeights(), reference)
         self._rng = np.random.default_rng(seed)
         self._actions: list[Any] = []
 

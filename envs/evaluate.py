@@ -91,6 +91,29 @@ def _from_results(
     return _summarise(rows, tok)
 
 
+def _play(
+    data: TuneData, act: Callable[[np.ndarray], Any], action: str, weights: RewardWeights, episodes: list[Episode]
+) -> tuple[list[ScoreResult], list[list[float]]]:
+    """Every episode once, all in one batch, the agent choosing each segment's action from its observation; returns
+    each episode's scored tokens and the reward of each of its steps, as the environment gave them."""
+    env = ConfKVVecEnv(data, len(episodes), action, weights)
+    slots = env._slots
+    obs = [slots.start(i, ep) for i, ep in enumerate(episodes)]
+    steps: list[list[float]] = [[] for _ in episodes]
+    live = set(range(len(episodes)))
+    while live:
+        order = sorted(live)
+        results = slots.advance_some(order, [act(obs[i]) for i in order])
+        for i, (o, reward, done, _info) in zip(order, results, strict=True):
+            obs[i] = o
+            steps[i].append(float(reward))
+            if done:
+                live.discard(i)
+    scored = [slots.session.result(slots.index[i]) for i in range(len(episodes))]  # type: ignore[arg-type]
+    env.close()
+    return scored, steps
+
+
 def evaluate_agent(
     data: TuneData,
     act: Callable[[np.ndarray], Any],
@@ -101,17 +124,21 @@ def evaluate_agent(
     """Every episode once, all in one batch, the agent choosing each segment's action from its observation."""
     weights = weights or RewardWeights()
     episodes = episodes or data.episodes
-    env = ConfKVVecEnv(data, len(episodes), action, weights)
-    slots = env._slots
-    obs = [slots.start(i, ep) for i, ep in enumerate(episodes)]
-    live = set(range(len(episodes)))
-    while live:
-        order = sorted(live)
-        results = slots.advance_some(order, [act(obs[i]) for i in order])
-        for i, (o, _, done, _info) in zip(order, results, strict=True):
-            obs[i] = o
-            if done:
-                live.discard(i)
-    scored = [slots.session.result(slots.index[i]) for i in range(len(episodes))]  # type: ignore[arg-type]
-    env.close()
+    scored, _ = _play(data, act, action, weights, episodes)
     return _from_results(episodes, scored, data.base_policy.compact_interval, weights)
+
+
+def reference_rewards(
+    data: TuneData, action: str = "knobs", weights: RewardWeights | None = None, episodes: list[Episode] | None = None
+) -> dict[str, list[float]]:
+    """Each episode's step rewards (by item id) under the constant action an untrained agent takes: 0, the base
+    policy the knob space is centred on, or *hold* for budget actions. What ``ConfKVVecEnv(reference=...)``
+    subtracts, step by step, to reward an agent relative to that policy."""
+    weights = weights or RewardWeights()
+    episodes = episodes or data.episodes
+    ids = [ep.item_id for ep in episodes]
+    if len(set(ids)) != len(ids):
+        raise ValueError("reference rewards need distinct item ids")
+    constant = np.zeros(data.knob_space().dim, dtype=np.float32) if action == "knobs" else 1
+    _, steps = _play(data, lambda _obs: constant, action, weights, episodes)
+    return dict(zip(ids, steps, strict=True))

@@ -19,7 +19,7 @@ from confkv.errors import ConfkvError
 from confkv.learned import OBS_DIM, KnobSpace, MLPPolicy
 from envs.env import ConfKVEnv, ConfKVVecEnv, RewardWeights
 from envs.episodes import build_episodes, scaled_sizes
-from envs.evaluate import evaluate_agent, evaluate_policy
+from envs.evaluate import evaluate_agent, evaluate_policy, reference_rewards
 from tuner.cli import main as tune_main
 
 
@@ -180,7 +180,8 @@ def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path
     tuned = base.replace(entropy_threshold=2.0, gap_threshold=0.05, scaling_factor=0.9, base_size=48, max_size=64)
     (tmp_path / "tuned.yaml").write_text(yaml.safe_dump({"cache_policy": tuned.model_dump(mode="json")}))
     args = ["train", "--algo", "ppo", "--model", "tiny-random", "--timesteps", "64", "--n-envs", "2",
-            "--eval-every", "1", "--out", "run", "--no-register", "--init-policy", "tuned.yaml"]  # fmt: skip
+            "--eval-every", "1", "--out", "run", "--no-register", "--init-policy", "tuned.yaml",
+            "--relative-reward"]  # fmt: skip
     assert tune_main(args) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out.strip().splitlines()[-1])
@@ -193,6 +194,9 @@ def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path
     assert len(evals) == 3
     # before any update the agent is the tuned policy, not the default rule
     assert evals[0] == pytest.approx(run.data.metrics["init_reward"], abs=0.05)
+    # trained on rewards relative to that policy's, evaluated on plain ones
+    assert run.data.params["relative_reward"] == "True"
+    assert run.data.metrics["reference_reward"] == pytest.approx(evals[0], abs=0.05)
     assert run.data.params["init_max_size"] == "64" and run.data.params["space_max_size"] == "[32.0, 256.0]"
     # the exported network is the best evaluation's, said in the run
     assert run.data.metrics["selected_reward"] == pytest.approx(max(evals))
@@ -217,6 +221,9 @@ def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path
     assert "outside the searched space" in capsys.readouterr().err
     assert tune_main([*bad, "--init-policy", "tuned.yaml", "--action", "budget"]) == 2
     assert "knobs agent" in capsys.readouterr().err
+    optuna = ["train", "--algo", "optuna", "--model", "tiny-random", "--trials", "1", "--out", "x", "--no-register"]
+    assert tune_main([*optuna, "--relative-reward"]) == 2
+    assert "--relative-reward is for ppo or sac" in capsys.readouterr().err
 
 
 def test_eval_and_compare_are_mlflow_runs_and_errors(tmp_path, monkeypatch, capsys):
@@ -290,6 +297,36 @@ def test_an_action_governs_the_segment_it_is_rewarded_for(data):
     (r_hold, i_hold), (r_expand, i_expand) = hold[2], expand[2]
     assert i_expand["action"]["budget"] > i_hold["action"]["budget"]
     assert i_expand["kv_fraction"] > i_hold["kv_fraction"] and r_expand != r_hold
+
+
+def test_relative_reward_is_the_plain_reward_minus_the_base_policys_on_the_same_segment(data):
+    """With a reference, a step returns its reward minus the base policy's (action 0) on that segment of that item:
+    zero at every step for the base action itself, the plain reward minus the reference for any other; episode
+    summaries keep the plain return."""
+    weights = RewardWeights(quality_weight=8.0)
+    reference = reference_rewards(data, "knobs", weights)
+    assert set(reference) == {ep.item_id for ep in data.episodes}
+    for workload in ("prose", "passkey"):
+        i = _episode(data, workload)
+        ref = reference[data.episodes[i].item_id]
+        for action in (np.zeros(5), np.full(5, -0.8, dtype=np.float32)):
+            runs = []
+            for r in (None, reference):
+                env = ConfKVEnv(data, action="knobs", weights=weights, reference=r)
+                env.reset(options={"episode": i})
+                steps, done = [], False
+                while not done:
+                    _, reward, done, _, info = env.step(action)
+                    steps.append(reward)
+                env.close()
+                runs.append((steps, info["episode"]["r"]))
+            (plain, plain_return), (relative, relative_return) = runs
+            assert len(plain) == len(ref)
+            assert relative == pytest.approx([p - b for p, b in zip(plain, ref, strict=True)], abs=1e-4)
+            assert relative_return == pytest.approx(plain_return) == pytest.approx(sum(plain))
+            if not action.any():
+                assert relative == pytest.approx([0.0] * len(ref), abs=1e-4)
+        assert any(abs(x) > 1e-3 for x in relative)  # the other action's segments differ from the base policy's
 
 
 def test_the_last_action_matters(data):

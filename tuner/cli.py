@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "deterministic policy on every training episode (0: only before and after)")  # fmt: skip
     train.add_argument(
         "--scorer", default=None,
-        help="block scorer of the tuned policy (h2o, snapkv, tova, knorm, recency; default the base policy's, snapkv); "
-        "optuna also takes a comma-separated list and searches it",
+        help="block scorer of the tuned policy (h2o, snapkv, tova, decayed, knorm, recency; default the base "
+        "policy's, snapkv); optuna also takes a comma-separated list and searches it",
     )  # fmt: skip
     train.add_argument(
         "--init-policy", default=None, metavar="POLICY",
@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep", choices=["best", "last"], default="best",
         help="ppo/sac: export the policy of the best evaluation on the training episodes (default; the untrained "
         "one counts) or as the last update left it",
+    )  # fmt: skip
+    train.add_argument(
+        "--relative-reward", action="store_true",
+        help="ppo/sac: reward each segment minus what the base policy (an action of 0) earns on the same segment of "
+        "the same item, measured once before training; changes no policy's ranking, removes the spread of returns "
+        "between items from the advantages (evaluations and exports keep the plain reward)",
     )  # fmt: skip
     train.add_argument(
         "--mode", choices=["teacher", "decode"], default="teacher",
@@ -283,6 +289,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("sac needs --action knobs")
     if args.init_policy is not None and (args.algo == "optuna" or args.action != "knobs"):
         raise ConfkvError("--init-policy starts a knobs agent (ppo or sac with --action knobs)")
+    if args.relative_reward and (args.algo == "optuna" or args.mode != "teacher"):
+        raise ConfkvError("--relative-reward is for ppo or sac in teacher mode")
     scorers = _scorers(args)
     params: dict[str, Any] = {}
     if args.algo == "optuna":
@@ -315,7 +323,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     params.update({
         "algo": args.algo, "model": args.model, "workload": args.workload, "seed": args.seed,
         "episodes": len(data.episodes), "items_scale": args.items_scale, "timesteps": args.timesteps,
-        "trials": args.trials, "action": args.action,
+        "trials": args.trials, "action": args.action, "relative_reward": args.relative_reward,
         "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, **weights.__dict__,
         **{f"base_{k}": v for k, v in tuned_base.model_dump(
             include={"base_size", "max_size", "min_recent", "compact_interval", "entropy_threshold", "gap_threshold",
@@ -496,7 +504,7 @@ def _train_rl(
     from agents.export import export_sb3
     from agents.sb3 import train_sb3
     from envs.env import ConfKVVecEnv
-    from envs.evaluate import evaluate_agent
+    from envs.evaluate import evaluate_agent, reference_rewards
 
     if args.mode == "decode":
         from stable_baselines3.common.vec_env import DummyVecEnv
@@ -506,7 +514,13 @@ def _train_rl(
         env = DummyVecEnv([lambda: ConfKVDecodeEnv(data, args.action, weights)])
         env.seed(args.seed)
     else:
-        env = ConfKVVecEnv(data, args.n_envs, args.action, weights, seed=args.seed)
+        reference = None
+        if args.relative_reward:
+            reference = reference_rewards(data, args.action, weights)
+            mean = sum(map(sum, reference.values())) / len(reference)
+            log_metrics({"reference_reward": mean})
+            print(f"  rewards relative to the base policy's (its mean episode reward {mean:.3f})", file=sys.stderr)
+        env = ConfKVVecEnv(data, args.n_envs, args.action, weights, seed=args.seed, reference=reference)
     episodes: list[tuple[float, float]] = []
     evals: list[tuple[float, float]] = []
 
