@@ -181,7 +181,7 @@ def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path
     (tmp_path / "tuned.yaml").write_text(yaml.safe_dump({"cache_policy": tuned.model_dump(mode="json")}))
     args = ["train", "--algo", "ppo", "--model", "tiny-random", "--timesteps", "64", "--n-envs", "2",
             "--eval-every", "1", "--out", "run", "--no-register", "--init-policy", "tuned.yaml",
-            "--relative-reward"]  # fmt: skip
+            "--relative-reward", "--log-std-init", "-2"]  # fmt: skip
     assert tune_main(args) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out.strip().splitlines()[-1])
@@ -195,7 +195,7 @@ def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path
     # before any update the agent is the tuned policy, not the default rule
     assert evals[0] == pytest.approx(run.data.metrics["init_reward"], abs=0.05)
     # trained on rewards relative to that policy's, evaluated on plain ones
-    assert run.data.params["relative_reward"] == "True"
+    assert run.data.params["relative_reward"] == "True" and run.data.params["preset_log_std_init"] == "-2.0"
     assert run.data.metrics["reference_reward"] == pytest.approx(evals[0], abs=0.05)
     assert run.data.params["init_max_size"] == "64" and run.data.params["space_max_size"] == "[32.0, 256.0]"
     # the exported network is the best evaluation's, said in the run

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=None, help="minibatch size")
     train.add_argument("--n-epochs", type=int, default=None, help="ppo: passes over each rollout")
     train.add_argument("--learning-rate", type=float, default=None)
+    train.add_argument("--log-std-init", type=float, default=None, help="ppo/sac: log standard deviation of the "
+                       "Gaussian policy at the start (default the preset's, -1: 0.37 in action units)")  # fmt: skip
     train.add_argument("--eval-every", type=int, default=None, help="updates between evaluations of the "
                        "deterministic policy on every training episode (0: only before and after)")  # fmt: skip
     train.add_argument(
@@ -233,11 +235,12 @@ def _preset(args: argparse.Namespace) -> Any:
 
     from agents.sb3 import PRESETS
 
-    changes = {k: getattr(args, k) for k in ("n_steps", "batch_size", "n_epochs", "learning_rate", "eval_every")
-               if getattr(args, k) is not None}  # fmt: skip
+    changes = {k: getattr(args, k) for k in ("n_steps", "batch_size", "n_epochs", "learning_rate", "eval_every",
+                                             "log_std_init") if getattr(args, k) is not None}  # fmt: skip
     if args.n_envs is not None:
         changes["n_envs"] = args.n_envs
-    if any(v <= 0 for k, v in changes.items() if k != "eval_every") or changes.get("eval_every", 0) < 0:
+    positive = [v for k, v in changes.items() if k not in ("eval_every", "log_std_init")]
+    if any(v <= 0 for v in positive) or changes.get("eval_every", 0) < 0:
         raise ConfkvError("--n-envs, --n-steps, --batch-size, --n-epochs and --learning-rate must be positive")
     if changes.get("eval_every") == 0:
         changes["eval_every"] = 1 << 30  # before the first update and after the last only
