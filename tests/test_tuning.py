@@ -259,7 +259,7 @@ def test_eval_and_compare_are_mlflow_runs_and_errors(tmp_path, monkeypatch, caps
     assert tune_main(["eval", "default", "--model", "tiny-random", "--workload", "poetry", "--no-mlflow"]) == 2
 
 
-def test_ppo_presets_make_tens_of_updates():
+def test_ppo_presets_make_tens_of_updates(capsys):
     from agents.sb3 import PRESETS, schedule
     from tuner.cli import PRESET_NAMES
 
@@ -268,6 +268,14 @@ def test_ppo_presets_make_tens_of_updates():
     assert quick == {"updates": 32, "rollout_steps": 64, "minibatches": 2, "gradient_steps": 640, "timesteps_run": 2048}
     standard = PRESETS["standard"]
     assert schedule("ppo", standard.timesteps, standard.n_envs, standard)["updates"] == 32
+    refine = PRESETS["refine"]  # quick's schedule, gentler steps, relative rewards
+    assert schedule("ppo", refine.timesteps, refine.n_envs, refine) == quick
+    assert refine.relative_reward and refine.learning_rate < PRESETS["quick"].learning_rate
+    assert refine.log_std_init < PRESETS["quick"].log_std_init
+    decode = ["train", "--algo", "ppo", "--model", "tiny-random", "--preset", "refine", "--mode", "decode",
+              "--out", "x", "--no-register"]  # fmt: skip
+    assert tune_main(decode) == 2
+    assert "teacher mode only" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ the action and its reward

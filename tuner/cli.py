@@ -1,6 +1,6 @@
 """``confkv-tune``: learn the CONF-KV policy, evaluate it on held-out items, compare, register, promote, export.
 
-    confkv-tune train --algo {ppo,sac,optuna} --model M [--workload mixed] [--preset quick|standard]
+    confkv-tune train --algo {ppo,sac,optuna} --model M [--workload mixed] [--preset quick|standard|refine]
                       [--timesteps N | --trials N] [--scorer NAME[,NAME...]] --out DIR
                       [--register-as NAME | --no-register]
     confkv-tune eval POLICY --workload NAME --split heldout
@@ -37,7 +37,7 @@ from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
 from confkv.errors import ConfkvError
 
 #: ``agents.sb3.PRESETS``' names (not imported here: the parser must not load stable-baselines3).
-PRESET_NAMES = ("quick", "standard")
+PRESET_NAMES = ("quick", "standard", "refine")
 DEFAULT_TRIALS = 24
 
 
@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--trials", type=int, help=f"trials for optuna (default {DEFAULT_TRIALS})")
     train.add_argument(
         "--preset", choices=PRESET_NAMES, default="quick",
-        help="ppo/sac schedule: quick (2048 timesteps, 4 envs x 16 steps per update: 32 updates) or standard "
-        "(8192, 8 x 32: 32 updates); the run prints and logs how many updates it makes",
+        help="ppo/sac schedule: quick (2048 timesteps, 4 envs x 16 steps per update: 32 updates), standard "
+        "(8192, 8 x 32: 32 updates) or refine (quick's schedule with a narrow start, learning rate 1e-4 and "
+        "--relative-reward: for --init-policy); the run prints and logs how many updates it makes",
     )  # fmt: skip
     train.add_argument("--action", choices=["knobs", "budget"], default="knobs", help="what the agent sets")
     train.add_argument("--n-envs", type=int, default=None, help="episodes per engine batch (default: the preset's)")
@@ -309,6 +310,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfkvError("--timesteps must be at least 1")
         args.n_envs = preset.n_envs
         args.preset_obj = preset
+        if preset.relative_reward and args.mode != "teacher":
+            raise ConfkvError(f"--preset {preset.name} trains on relative rewards: teacher mode only")
+        args.relative_reward = args.relative_reward or preset.relative_reward
         plan = schedule(args.algo, args.timesteps, args.n_envs, preset)
         print(describe(args.algo, args.timesteps, args.n_envs, preset), file=sys.stderr)
         params.update(preset_params(preset))
