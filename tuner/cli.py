@@ -293,8 +293,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("sac needs --action knobs")
     if args.init_policy is not None and (args.algo == "optuna" or args.action != "knobs"):
         raise ConfkvError("--init-policy starts a knobs agent (ppo or sac with --action knobs)")
-    if args.relative_reward and (args.algo == "optuna" or args.mode != "teacher"):
-        raise ConfkvError("--relative-reward is for ppo or sac in teacher mode")
+    if args.relative_reward and args.algo == "optuna":
+        raise ConfkvError("--relative-reward is for ppo or sac")
     scorers = _scorers(args)
     params: dict[str, Any] = {}
     if args.algo == "optuna":
@@ -310,9 +310,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfkvError("--timesteps must be at least 1")
         args.n_envs = preset.n_envs
         args.preset_obj = preset
-        if preset.relative_reward and args.mode != "teacher":
-            raise ConfkvError(f"--preset {preset.name} trains on relative rewards: teacher mode only")
         args.relative_reward = args.relative_reward or preset.relative_reward
+        if args.relative_reward and args.mode != "teacher":
+            raise ConfkvError(f"relative rewards (--relative-reward, --preset {preset.name}): teacher mode only")
         plan = schedule(args.algo, args.timesteps, args.n_envs, preset)
         print(describe(args.algo, args.timesteps, args.n_envs, preset), file=sys.stderr)
         params.update(preset_params(preset))
