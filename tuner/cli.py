@@ -312,7 +312,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.preset_obj = preset
         args.relative_reward = args.relative_reward or preset.relative_reward
         if args.relative_reward and args.mode != "teacher":
-            raise ConfkvError(f"relative rewards (--relative-reward, --preset {preset.name}): teacher mode only")
+            raise ConfkvError("relative rewards (--relative-reward, or --preset refine) are for teacher mode only")
         plan = schedule(args.algo, args.timesteps, args.n_envs, preset)
         print(describe(args.algo, args.timesteps, args.n_envs, preset), file=sys.stderr)
         params.update(preset_params(preset))
