@@ -40,6 +40,16 @@ def test_full_scoring_matches_hf_forward(tiny, tiny_reference):
     assert llm.engine.pool.num_used == 0
 
 
+def test_forced_chunks_longer_than_a_step_are_scored_whole(tiny, tiny_reference):
+    """A forced chunk (``compact_interval``) longer than ``max_num_batched_tokens`` is computed in one step: split,
+    the rows of all but its last piece were lost (47 of 431 tokens scored)."""
+    llm = LLM("tiny-random", "full", loaded=tiny, compact_interval=50, max_num_batched_tokens=48)
+    x = texts(llm.tokenizer)[1]
+    (r,) = llm.score([x], score_from=1)
+    assert r.num_tokens == len(x) - 1
+    torch.testing.assert_close(r.token_logprobs, hf_logprobs(tiny_reference, x), atol=2e-5, rtol=1e-5)
+
+
 def test_full_kl_to_own_reference_is_zero(tiny):
     llm = LLM("tiny-random", "full", loaded=tiny, compact_interval=16)
     ids = texts(llm.tokenizer)

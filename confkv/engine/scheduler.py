@@ -180,7 +180,7 @@ class Scheduler:
                     budget -= seq.rerun
                 continue
             if seq.scored:  # fixed chunks whatever else runs, so a text scores the same alone or in any batch
-                n = min(seq.num_uncomputed, self.max_num_batched_tokens)
+                n = self._scored_chunk(seq)
             elif budget <= 0:
                 continue
             else:
@@ -217,7 +217,7 @@ class Scheduler:
             limit = self.low_blocks if seq.kv.controller.evicts else pool.num_blocks
             if self.running and committed + need > limit:
                 break
-            n = min(seq.num_uncomputed, self.max_num_batched_tokens if seq.scored else budget)
+            n = self._scored_chunk(seq) if seq.scored else min(seq.num_uncomputed, budget)
             if manager.blocks_needed(seq.kv, n) > pool.num_free:
                 self.reclaim(manager.blocks_needed(seq.kv, n) - pool.num_free)
             if manager.blocks_needed(seq.kv, n) > pool.num_free:
@@ -234,6 +234,14 @@ class Scheduler:
         # decodes first: the attention function handles them as one padded batch
         out.chunks.sort(key=lambda c: c.num_tokens != 1)
         return out
+
+    def _scored_chunk(self, seq: Sequence) -> int:
+        """A scored text's prompt is read ``max_num_batched_tokens`` at a time; its forced text one whole chunk per
+        step, even a chunk longer than that: a chunk's rows are recorded only once it is computed to its end, so
+        splitting one would lose the rows of all but its last piece."""
+        if seq.prompt_done:
+            return seq.num_uncomputed
+        return min(seq.num_uncomputed, self.max_num_batched_tokens)
 
     def _too_big(self, seq: Sequence) -> str:
         pool = self.manager.pool
