@@ -15,9 +15,11 @@ import resource
 import time
 
 from common import load, parser, read_prompts, readme_windows, report, setup
+from torch.nn.attention import SDPBackend
 from torch.profiler import ProfilerActivity, profile
 
 from confkv import LLM, SamplingParams
+from confkv.kv import attention
 
 SETTLE_STEPS = 20
 
@@ -29,7 +31,10 @@ def main() -> None:
     p.add_argument("--policies", default="full,dynamic")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="add the heaviest operators' share of the step time")
+    p.add_argument("--allow-cudnn", action="store_true", help="on CUDA, let attention use cuDNN's SDPA (to compare)")
     args = p.parse_args()
+    if args.allow_cudnn:
+        attention.CUDA_SDPA_BACKENDS.insert(0, SDPBackend.CUDNN_ATTENTION)
     device, env = setup(args)
     loaded = load(args, device)
     prompts = readme_windows(loaded, args.context, args.batch)

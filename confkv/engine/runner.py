@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from confkv.engine.scheduler import ScheduledChunk
-from confkv.kv.attention import PackedBatch, PrefillSpan
+from confkv.kv.attention import PackedBatch, PrefillSpan, sdpa_backends
 from confkv.kv.pool import BlockPool
 
 
@@ -177,13 +177,14 @@ class ModelRunner:
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         keep = torch.tensor(sample_rows, dtype=torch.long, device=device)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=keep,
-            confkv_batch=batch,
-        )
+        with sdpa_backends(device):
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=keep,
+                confkv_batch=batch,
+            )
         # captured rows: every decode row (when any decode captures), then each capturing prefill span
         captured: dict[int, int] = {}
         if capture_decode:

@@ -24,11 +24,13 @@ this function does not implement (soft-capping, attention sinks, a layer layout 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -82,6 +84,18 @@ class PackedBatch:
 
 #: PyTorch's fused CPU attention (flash), called directly where its log-sum-exp is needed as well as its output.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+#: The SDPA kernels a forward pass may use on CUDA: cuDNN's is left out. cuDNN builds an execution graph for every new
+#: shape, and a decode batch's key count changes as sequences grow. Measured on an H200 (torch 2.11, bf16,
+#: ``benchmarks/decode_step.py --device cuda --context 128 --batch 32 --profile``): a ``full`` step took 42 ms, 61%
+#: of its host time in ``_cudnn_attention_forward``. ``--allow-cudnn`` puts it back to compare; the step without it
+#: is not measured yet (no GPU was left after the profile).
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The kernels the attention function's SDPA calls may take during one forward pass on ``device``."""
+    return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
