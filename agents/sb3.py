@@ -49,6 +49,9 @@ class Preset:
     eval_every: int = 8  # updates (PPO) or ``eval_every * n_steps * n_envs`` timesteps (SAC) between evaluations
     learning_starts: int = 128  # SAC: random steps before the first gradient step
     relative_reward: bool = False  # train on rewards relative to the base policy's (``--relative-reward``)
+    #: Share of the training items held out to choose the exported checkpoint (``--validation-fraction``; 0: the
+    #: evaluations run on the episodes trained on)
+    validation_fraction: float = 0.0
 
 
 PRESETS: dict[str, Preset] = {

@@ -16,7 +16,7 @@ and references from the on-disk store shared with ``confkv bench``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from confkv.bench.reference import ReferenceStore, build_references
@@ -87,6 +87,30 @@ class TuneData:
 
     def llm(self, policy: CachePolicy | None = None, **engine: Any) -> LLM:
         return LLM(self.model, policy or self.base_policy, loaded=self.loaded, **{**self.engine, **engine})
+
+
+def hold_out(data: TuneData, fraction: float) -> tuple[TuneData, TuneData]:
+    """Split the training episodes into those an agent trains on and those that choose which of its checkpoints is
+    exported: a checkpoint chosen on the episodes it trained on is chosen partly for their luck, and on held-out
+    items it may trail the policy it started from (TUNING.md).
+
+    Every kind of item with two or more episodes gives about ``fraction`` of them (at least one), evenly spaced in
+    item order, so the choice is deterministic and each kind is represented on both sides.
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"the validation fraction must be in (0, 1) (got {fraction})")
+    by_kind: dict[str, list[Episode]] = {}
+    for ep in sorted(data.episodes, key=lambda e: e.item_id):
+        by_kind.setdefault(ep.workload, []).append(ep)
+    chosen: set[str] = set()
+    for eps in by_kind.values():
+        k = min(len(eps) - 1, max(1, round(len(eps) * fraction)))
+        chosen.update(eps[int((i + 0.5) * len(eps) / k)].item_id for i in range(k))
+    if not chosen:
+        raise ValueError("too few training items to hold any out (every kind has one): raise --items-scale")
+    fit = [ep for ep in data.episodes if ep.item_id not in chosen]
+    select = [ep for ep in data.episodes if ep.item_id in chosen]
+    return replace(data, episodes=fit), replace(data, episodes=select)
 
 
 def scaled_sizes(model: str, scale: int = 1) -> dict[str, dict[str, Any]]:

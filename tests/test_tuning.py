@@ -18,7 +18,7 @@ from confkv.config import load_policy_file
 from confkv.errors import ConfkvError
 from confkv.learned import OBS_DIM, KnobSpace, MLPPolicy
 from envs.env import ConfKVEnv, ConfKVVecEnv, RewardWeights
-from envs.episodes import build_episodes, scaled_sizes
+from envs.episodes import build_episodes, hold_out, scaled_sizes
 from envs.evaluate import evaluate_agent, evaluate_policy, reference_rewards
 from tuner.cli import main as tune_main
 
@@ -224,6 +224,59 @@ def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path
     optuna = ["train", "--algo", "optuna", "--model", "tiny-random", "--trials", "1", "--out", "x", "--no-register"]
     assert tune_main([*optuna, "--relative-reward"]) == 2
     assert "--relative-reward is for ppo or sac" in capsys.readouterr().err
+
+
+def test_held_out_training_items_choose_the_export(data):
+    """``hold_out``: disjoint, deterministic, every kind with two or more items on both sides; one item per kind
+    leaves nothing to hold out."""
+    import dataclasses
+
+    fit, judge = hold_out(data, 0.5)
+    ids = [ep.item_id for ep in data.episodes]
+    fit_ids, judge_ids = [ep.item_id for ep in fit.episodes], [ep.item_id for ep in judge.episodes]
+    assert not set(fit_ids) & set(judge_ids) and sorted(fit_ids + judge_ids) == sorted(ids)
+    assert fit_ids == [i for i in ids if i in fit_ids]  # the training order is kept
+    for kind in {ep.workload for ep in data.episodes}:
+        n = sum(ep.workload == kind for ep in data.episodes)
+        on_both = {ep.workload for ep in fit.episodes} & {ep.workload for ep in judge.episodes}
+        assert (kind in on_both) == (n >= 2)
+    assert [ep.item_id for ep in hold_out(data, 0.5)[1].episodes] == judge_ids
+    assert fit.loaded is data.loaded and judge.base_policy == data.base_policy
+    one_each = {ep.workload: ep for ep in data.episodes}
+    with pytest.raises(ValueError, match="too few training items"):
+        hold_out(dataclasses.replace(data, episodes=list(one_each.values())), 0.5)
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        hold_out(data, 1.0)
+
+
+def test_ppo_chooses_its_export_on_held_out_training_items(tmp_path, monkeypatch, capsys):
+    """``--validation-fraction``: the agent trains on the other items, and the evaluations that choose the export run
+    on the held-out ones (the untrained agent's among them)."""
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--algo", "ppo", "--model", "tiny-random", "--timesteps", "64", "--n-envs", "2", "--eval-every",
+            "1", "--out", "run", "--no-register", "--validation-fraction", "0.5", "--items-scale", "2"]  # fmt: skip
+    assert tune_main(args) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    import mlflow
+
+    mlflow.set_tracking_uri("sqlite:///mlflow.db")
+    client = mlflow.MlflowClient()
+    run = mlflow.get_run(summary["run_id"])
+    evals = [m.value for m in client.get_metric_history(run.info.run_id, "eval_reward")]
+    assert run.data.params["validation_fraction"] == "0.5" and run.data.params["preset_validation_fraction"] == "0.0"
+    assert run.data.metrics["validation_episodes"] == 6 and len(evals) == 3  # half of each kind's two
+    assert evals[0] == pytest.approx(run.data.metrics["validation_start_reward"], abs=0.05)
+    assert run.data.metrics["selected_reward"] == pytest.approx(max(evals))
+    assert "held out to choose the export" in captured.err and "validation reward" in captured.err
+    assert summary["train"]["episodes"] == 12  # the final figures cover every training item
+    assert load_policy_file(tmp_path / "run" / "policy").controller == "learned"
+
+    bad = ["train", "--model", "tiny-random", "--out", "x", "--no-register"]
+    assert tune_main([*bad, "--algo", "ppo", "--timesteps", "8", "--validation-fraction", "1"]) == 2
+    assert "--validation-fraction must be at least 0 and below 1" in capsys.readouterr().err
+    assert tune_main([*bad, "--algo", "optuna", "--trials", "1", "--validation-fraction", "0.3"]) == 2
+    assert "--validation-fraction is for ppo or sac" in capsys.readouterr().err
 
 
 def test_eval_and_compare_are_mlflow_runs_and_errors(tmp_path, monkeypatch, capsys):

@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         "one counts) or as the last update left it",
     )  # fmt: skip
     train.add_argument(
+        "--validation-fraction", type=float, default=None, metavar="F",
+        help="ppo/sac: train on the other training items and run the evaluations that choose the export (--keep "
+        "best) on this share of them, every kind represented (default: the preset's; 0: evaluate on the items "
+        "trained on)",
+    )  # fmt: skip
+    train.add_argument(
         "--relative-reward", action="store_true",
         help="ppo/sac: reward each segment minus what the base policy (an action of 0) earns on the same segment of "
         "the same item, measured once before training; changes no policy's ranking, removes the spread of returns "
@@ -295,6 +301,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("--init-policy starts a knobs agent (ppo or sac with --action knobs)")
     if args.relative_reward and args.algo == "optuna":
         raise ConfkvError("--relative-reward is for ppo or sac")
+    if args.validation_fraction is not None and args.algo == "optuna":
+        raise ConfkvError("--validation-fraction is for ppo or sac (optuna keeps its best trial on all items)")
     scorers = _scorers(args)
     params: dict[str, Any] = {}
     if args.algo == "optuna":
@@ -311,6 +319,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.n_envs = preset.n_envs
         args.preset_obj = preset
         args.relative_reward = args.relative_reward or preset.relative_reward
+        if args.validation_fraction is None:
+            args.validation_fraction = preset.validation_fraction
+        if not 0 <= args.validation_fraction < 1:
+            raise ConfkvError("--validation-fraction must be at least 0 and below 1")
         if args.relative_reward and args.mode != "teacher":
             raise ConfkvError("relative rewards (--relative-reward, or --preset refine) are for teacher mode only")
         plan = schedule(args.algo, args.timesteps, args.n_envs, preset)
@@ -331,6 +343,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         "algo": args.algo, "model": args.model, "workload": args.workload, "seed": args.seed,
         "episodes": len(data.episodes), "items_scale": args.items_scale, "timesteps": args.timesteps,
         "trials": args.trials, "action": args.action, "relative_reward": args.relative_reward,
+        "validation_fraction": args.validation_fraction,
         "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, **weights.__dict__,
         **{f"base_{k}": v for k, v in tuned_base.model_dump(
             include={"base_size", "max_size", "min_recent", "compact_interval", "entropy_threshold", "gap_threshold",
@@ -511,8 +524,20 @@ def _train_rl(
     from agents.export import export_sb3
     from agents.sb3 import train_sb3
     from envs.env import ConfKVVecEnv
-    from envs.evaluate import evaluate_agent, reference_rewards
+    from envs.episodes import hold_out
+    from envs.evaluate import evaluate_agent, evaluate_policy, reference_rewards
 
+    judge, baseline = data, "default"
+    if args.validation_fraction > 0:
+        baseline = "start"
+        try:
+            data, judge = hold_out(data, args.validation_fraction)
+        except ValueError as err:
+            raise ConfkvError(str(err)) from None
+        default_reward = evaluate_policy(judge, data.base_policy, weights)["reward"]
+        log_metrics({"validation_episodes": len(judge.episodes), "validation_start_reward": default_reward})
+        print(f"  training on {len(data.episodes)} episodes; {len(judge.episodes)} held out to choose the export "
+              f"(the starting policy earns {default_reward:.3f} on them)", file=sys.stderr)  # fmt: skip
     if args.mode == "decode":
         from stable_baselines3.common.vec_env import DummyVecEnv
 
@@ -538,7 +563,7 @@ def _train_rl(
         episodes.append((timestep, ep["reward"]))
 
     def evaluate(act: Any) -> dict[str, Any]:
-        return evaluate_agent(data, act, args.action, weights)
+        return evaluate_agent(judge, act, args.action, weights)
 
     def on_eval(timestep: int, updates: int, m: dict[str, Any]) -> None:
         log_metrics({"eval_reward": m["reward"], "eval_kv_fraction": m["kv_fraction"], "eval_kl": m["kl_mean"],
@@ -546,14 +571,15 @@ def _train_rl(
                      "eval_updates": updates}, step=timestep)  # fmt: skip
         evals.append((timestep, m["reward"]))
         print(
-            f"  after {updates} updates ({timestep} timesteps): reward {m['reward']:.3f} (default "
+            f"  after {updates} updates ({timestep} timesteps): reward {m['reward']:.3f} ({baseline} "
             f"{default_reward:.3f}), kv {100 * m['kv_fraction']:.1f}%, kl {m['kl_mean']:.4f}",
             file=sys.stderr,
         )
 
     def on_select(updates: int, reward: float) -> None:
         log_metrics({"selected_updates": updates, "selected_reward": reward})
-        print(f"  exported: the policy after {updates} updates (training reward {reward:.3f})", file=sys.stderr)
+        on = "validation" if judge is not data else "training"
+        print(f"  exported: the policy after {updates} updates ({on} reward {reward:.3f})", file=sys.stderr)
 
     model = train_sb3(args.algo, env, args.timesteps, preset=args.preset_obj, seed=args.seed, on_episode=on_episode,
                       log_metrics=lambda metrics, step: log_metrics(metrics, step=step), evaluate=evaluate,
