@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
@@ -233,6 +234,8 @@ def train_sb3(
         per_update = p.n_steps  # SAC collects one vectorised step per "rollout": evaluate every n_steps * eval_every
     else:
         raise ValueError(f"algo must be one of {ALGOS} (got {algo!r})")
+    if continuous:
+        _start_at_the_centre(model)
     if log_metrics is not None:
         model.set_logger(Logger(folder=None, output_formats=[_MetricsOutput(log_metrics)]))
     callback = _Progress(on_episode, evaluate, on_eval, p.eval_every, per_update)
@@ -244,6 +247,17 @@ def train_sb3(
         if on_select:
             on_select(updates, reward)
     return model
+
+
+def _start_at_the_centre(model: BaseAlgorithm) -> None:
+    """Zero the layer that outputs the action's mean, so the untrained deterministic policy is exactly the action 0
+    (the base policy, or ``--init-policy``) and exploration is spread around it. Left random, its small weights
+    still put each seed somewhere else: warm-started from one Optuna policy (training reward 0.668), five seeds'
+    untrained policies earned 0.668, 0.591, 0.083, 0.060 and 0.565 (TUNING.md)."""
+    head = model.policy.action_net if isinstance(model, PPO) else model.actor.mu
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
 
 
 def preset_params(preset: Preset) -> dict[str, Any]:
