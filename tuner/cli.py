@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     train.add_argument(
         "--keep", choices=["best", "last"], default="best",
-        help="ppo/sac: export the policy of the best evaluation on the training episodes (default; the untrained "
-        "one counts) or as the last update left it",
+        help="ppo/sac: export the policy of the best evaluation on the training episodes (or on the share "
+        "--validation-fraction holds out; default; the untrained one counts) or as the last update left it",
     )  # fmt: skip
     train.add_argument(
         "--validation-fraction", type=float, default=None, metavar="F",
