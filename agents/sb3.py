@@ -251,9 +251,10 @@ def train_sb3(
 
 def _start_at_the_centre(model: BaseAlgorithm) -> None:
     """Zero the layer that outputs the action's mean, so the untrained deterministic policy is exactly the action 0
-    (the base policy, or ``--init-policy``) and exploration is spread around it. Left random, its small weights
-    still put each seed somewhere else: warm-started from one Optuna policy (training reward 0.668), five seeds'
-    untrained policies earned 0.668, 0.591, 0.083, 0.060 and 0.565 (TUNING.md)."""
+    (the base policy, or ``--init-policy``) and exploration is spread around it. Left random, its small weights put
+    the start near it, not at it: warm-started from one Optuna policy, four seeds' untrained policies earned 0.591,
+    0.083, 0.060 and 0.565 on their training items, where that policy itself earns 0.590, 0.085, 0.053 and 0.559
+    (the items differ by seed; TUNING.md)."""
     head = model.policy.action_net if isinstance(model, PPO) else model.actor.mu
     with torch.no_grad():
         head.weight.zero_()
