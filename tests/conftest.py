@@ -56,8 +56,9 @@ def smollm2() -> LoadedModel:
 
 
 def hf_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation by Hugging Face ``generate`` (the reference every policy is measured against)."""
-    ids = torch.tensor([prompt_ids])
+    """Greedy continuation by Hugging Face ``generate`` (the reference every policy is measured against), on the
+    model's device."""
+    ids = torch.tensor([prompt_ids], device=loaded.model.device)
     with torch.no_grad():
         out = loaded.model.generate(
             ids,
@@ -68,3 +69,11 @@ def hf_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -
             eos_token_id=None,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_logprobs(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Log-probability of each token after the first under Hugging Face's own forward pass, in fp32, on the CPU."""
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([ids], device=loaded.model.device)).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1).cpu()
+    return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]

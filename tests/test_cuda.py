@@ -20,6 +20,7 @@ from confkv.config import EngineConfig
 from confkv.engine.engine import LLMEngine, available_memory
 from confkv.model_loader import LoadedModel, load_model, tiny_random_tokenizer
 
+from .conftest import hf_greedy, hf_logprobs
 from .test_architectures import COMMON, TEXT, _folder, _hf
 from .test_engine import PROMPTS
 from .test_sessions import TURNS
@@ -36,24 +37,6 @@ def tiny_on(device: torch.device, dtype: str = "float32") -> LoadedModel:
     return load_model("tiny-random", device=device, dtype=dtype)
 
 
-def hf_greedy_on(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt_ids], device=loaded.model.device)
-    with torch.no_grad():
-        out = loaded.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=loaded.tokenizer.pad_token_id or 0, eos_token_id=None,
-        )  # fmt: skip
-    return out[0, len(prompt_ids) :].tolist()
-
-
-def hf_logprobs_on(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """Log-probability of each token after the first under Hugging Face's own forward pass, in fp32, on the CPU."""
-    with torch.no_grad():
-        logits = loaded.model(torch.tensor([ids], device=loaded.model.device)).logits[0, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1).cpu()
-    return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
@@ -67,7 +50,7 @@ def test_full_equals_hf_generate_on_the_device():
     lengths = (30, 12, 25, 40, 18)
     outs = llm.generate(PROMPTS, [greedy(n) for n in lengths])
     for out, n in zip(outs, lengths, strict=True):
-        assert out.token_ids == hf_greedy_on(reference, out.prompt_token_ids, n)
+        assert out.token_ids == hf_greedy(reference, out.prompt_token_ids, n)
     assert llm.engine.pool.num_used == 0
 
 
@@ -80,7 +63,7 @@ def test_full_scoring_matches_hf_forward_on_the_device(dtype, atol):
     reference = tiny_on(DEVICE, dtype)
     ids = list(llm.tokenizer(PROMPTS[2])["input_ids"])
     (scored,) = llm.score([ids], score_from=1)
-    expected = hf_logprobs_on(reference, ids)
+    expected = hf_logprobs(reference, ids)
     diff = (scored.token_logprobs.float().cpu() - expected).abs()
     assert float(diff.max()) < atol and float(diff.mean()) < atol / 5
 
@@ -202,10 +185,10 @@ def test_smollm2_full_equals_hf_generate_on_the_device(dtype):
     outs = llm.chat(CHAT, greedy(40))
     if dtype == "float32":
         for out in outs:
-            assert out.token_ids == hf_greedy_on(reference, out.prompt_token_ids, 40)
+            assert out.token_ids == hf_greedy(reference, out.prompt_token_ids, 40)
     for out in outs:
         ids = out.prompt_token_ids + out.token_ids
         (scored,) = llm.score([ids], score_from=len(out.prompt_token_ids))
-        expected = hf_logprobs_on(reference, ids)[len(out.prompt_token_ids) - 1 :]
+        expected = hf_logprobs(reference, ids)[len(out.prompt_token_ids) - 1 :]
         diff = (scored.token_logprobs.float().cpu() - expected).abs()
         assert float(diff.max()) < (1e-3 if dtype == "float32" else 0.5)

@@ -9,14 +9,7 @@ from confkv import LLM
 from confkv.errors import ConfkvError
 from confkv.scoring import ScoreItem, Scorer, TopK, kl_from_topk
 
-from .conftest import fresh_tiny
-
-
-def hf_logprobs(loaded, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = loaded.model(torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits, dim=-1)
-    return lp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+from .conftest import fresh_tiny, hf_logprobs
 
 
 def texts(tokenizer) -> list[list[int]]:

@@ -5,6 +5,7 @@ MLflow runs (presets, learning curves, seeded studies, eval/compare runs), expor
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -168,6 +169,19 @@ def test_train_logs_mlflow_and_exports_a_policy_confkv_runs(tmp_path, monkeypatc
     assert max(out.trace.resident[1:]) <= KnobSpace.for_policy(policy).budget_range(policy)[1] + 16
 
 
+def _train_run(args: list[str], capsys) -> tuple[Any, dict, Any, list[float]]:
+    """Run ``confkv-tune train`` (cwd: a temporary folder); its output, summary, MLflow run and evaluation rewards."""
+    import mlflow
+
+    assert tune_main(args) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    mlflow.set_tracking_uri("sqlite:///mlflow.db")
+    run = mlflow.get_run(summary["run_id"])
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "eval_reward")
+    return captured, summary, run, [m.value for m in history]
+
+
 def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path, monkeypatch, capsys):
     """``--init-policy``: the untrained agent is the given policy (its knobs are the space's centre, the bounds stay
     those searched around the base), and the export is the best evaluated policy, the untrained one included."""
@@ -182,15 +196,7 @@ def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path
     args = ["train", "--algo", "ppo", "--model", "tiny-random", "--timesteps", "64", "--n-envs", "2",
             "--eval-every", "1", "--out", "run", "--no-register", "--init-policy", "tuned.yaml",
             "--relative-reward", "--log-std-init", "-2"]  # fmt: skip
-    assert tune_main(args) == 0
-    captured = capsys.readouterr()
-    summary = json.loads(captured.out.strip().splitlines()[-1])
-    import mlflow
-
-    mlflow.set_tracking_uri("sqlite:///mlflow.db")
-    client = mlflow.MlflowClient()
-    run = mlflow.get_run(summary["run_id"])
-    evals = [m.value for m in client.get_metric_history(run.info.run_id, "eval_reward")]
+    captured, _, run, evals = _train_run(args, capsys)
     assert len(evals) == 3
     # before any update the agent is exactly the tuned policy (its mean's layer starts at zero), not the default rule
     assert evals[0] == pytest.approx(run.data.metrics["init_reward"], abs=1e-6)
@@ -255,15 +261,7 @@ def test_ppo_chooses_its_export_on_held_out_training_items(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     args = ["train", "--algo", "ppo", "--model", "tiny-random", "--timesteps", "64", "--n-envs", "2", "--eval-every",
             "1", "--out", "run", "--no-register", "--validation-fraction", "0.5", "--items-scale", "2"]  # fmt: skip
-    assert tune_main(args) == 0
-    captured = capsys.readouterr()
-    summary = json.loads(captured.out.strip().splitlines()[-1])
-    import mlflow
-
-    mlflow.set_tracking_uri("sqlite:///mlflow.db")
-    client = mlflow.MlflowClient()
-    run = mlflow.get_run(summary["run_id"])
-    evals = [m.value for m in client.get_metric_history(run.info.run_id, "eval_reward")]
+    captured, summary, run, evals = _train_run(args, capsys)
     assert run.data.params["validation_fraction"] == "0.5" and run.data.params["preset_validation_fraction"] == "0.0"
     assert run.data.metrics["validation_episodes"] == 6 and len(evals) == 3  # half of each kind's two
     assert evals[0] == pytest.approx(run.data.metrics["validation_start_reward"], abs=0.05)
