@@ -48,7 +48,14 @@ class Preset:
     learning_rate: float = 3e-4
     log_std_init: float = -1.0
     eval_every: int = 8  # updates (PPO) or ``eval_every * n_steps * n_envs`` timesteps (SAC) between evaluations
-    learning_starts: int = 128  # SAC: random steps before the first gradient step
+    learning_starts: int = 128  # SAC: steps of uniformly random actions before the first gradient step
+    #: Discount of later segments' rewards (SB3's default). A knobs action governs its own segment (the replay
+    #: rule), so a lower value credits it mostly with that segment, but also discounts a retrieval answer's reward,
+    #: which comes at the episode's end, some 14 segments after the haystack's first decisions
+    gamma: float = 0.99
+    #: Entropy bonus: None is SB3's default (PPO 0.0; SAC "auto", which starts its coefficient at 1.0, large
+    #: against relative rewards of a few hundredths per segment; "auto_0.01" starts it at 0.01)
+    ent_coef: float | str | None = None
     relative_reward: bool = False  # train on rewards relative to the base policy's (``--relative-reward``)
     #: Share of the training items held out to choose the exported checkpoint (``--validation-fraction``; 0: the
     #: evaluations run on the episodes trained on)
@@ -154,7 +161,8 @@ class _Progress(BaseCallback):
         return self.model.predict(obs, deterministic=True)[0]
 
     def _eval(self) -> None:
-        updates = self.rollouts // self.rollouts_per_update
+        # PPO: updates (rollouts); SAC: its gradient steps, the unit its schedule is stated in
+        updates = self.model._n_updates if isinstance(self.model, SAC) else self.rollouts // self.rollouts_per_update
         if self.evaluate is None or updates == self.last_eval:
             return
         self.last_eval = updates
@@ -213,6 +221,8 @@ def train_sb3(
     if keep not in ("best", "last"):
         raise ValueError(f"keep must be best or last (got {keep!r})")
     p = preset or PRESETS["quick"]
+    if p.ent_coef is not None:
+        hyper.setdefault("ent_coef", p.ent_coef)
     continuous = env.action_space.__class__.__name__ == "Box"
     policy_kwargs: dict[str, Any] = {"net_arch": [64, 64]}
     if algo == "ppo":
@@ -220,7 +230,8 @@ def train_sb3(
             policy_kwargs["log_std_init"] = p.log_std_init
         model: BaseAlgorithm = PPO(
             "MlpPolicy", env, n_steps=p.n_steps, batch_size=p.batch_size, n_epochs=p.n_epochs,
-            learning_rate=p.learning_rate, seed=seed, policy_kwargs=policy_kwargs, device="cpu", verbose=0, **hyper,
+            learning_rate=p.learning_rate, gamma=p.gamma, seed=seed, policy_kwargs=policy_kwargs, device="cpu",
+            verbose=0, **hyper,
         )  # fmt: skip
         per_update = 1
     elif algo == "sac":
@@ -229,7 +240,8 @@ def train_sb3(
         policy_kwargs["log_std_init"] = p.log_std_init
         model = SAC(
             "MlpPolicy", env, learning_starts=min(p.learning_starts, timesteps // 4), batch_size=p.batch_size,
-            learning_rate=p.learning_rate, seed=seed, policy_kwargs=policy_kwargs, device="cpu", verbose=0, **hyper,
+            learning_rate=p.learning_rate, gamma=p.gamma, seed=seed, policy_kwargs=policy_kwargs, device="cpu",
+            verbose=0, **hyper,
         )  # fmt: skip
         per_update = p.n_steps  # SAC collects one vectorised step per "rollout": evaluate every n_steps * eval_every
     else:

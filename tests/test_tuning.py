@@ -232,6 +232,42 @@ def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path
     assert "--relative-reward is for ppo or sac" in capsys.readouterr().err
 
 
+def test_sac_refines_a_tuned_policy_with_its_discount_and_no_random_warm_up(tmp_path, monkeypatch, capsys):
+    """SAC through the CLI: ``--learning-starts 0`` explores around the start from the first step (no uniform
+    draws over the whole box), ``--gamma`` reaches the learner, the untrained actor is exactly the tuned policy and
+    the export is never below it on the evaluated episodes."""
+    import yaml
+
+    from envs.episodes import default_base_policy
+
+    monkeypatch.chdir(tmp_path)
+    tuned = default_base_policy("tiny-random").replace(entropy_threshold=2.0, base_size=48, max_size=64)
+    (tmp_path / "tuned.yaml").write_text(yaml.safe_dump({"cache_policy": tuned.model_dump(mode="json")}))
+    args = ["train", "--algo", "sac", "--model", "tiny-random", "--timesteps", "48", "--n-envs", "2",
+            "--n-steps", "8", "--batch-size", "8", "--eval-every", "1", "--out", "run", "--no-register",
+            "--init-policy", "tuned.yaml", "--relative-reward", "--gamma", "0.5", "--learning-starts", "0",
+            "--ent-coef", "auto_0.01"]  # fmt: skip
+    captured, _, run, evals = _train_run(args, capsys)
+    assert run.data.params["preset_gamma"] == "0.5" and run.data.params["preset_learning_starts"] == "0"
+    assert run.data.params["preset_ent_coef"] == "auto_0.01"
+    assert "0 random first" in captured.err
+    # evaluations are labelled in gradient steps, as the schedule is: one per vectorised step of 2 episodes
+    assert "then one gradient step (batch 8) per step: 24 updates" in captured.err
+    assert "after 24 updates (48 timesteps)" in captured.err
+    assert evals[0] == pytest.approx(run.data.metrics["init_reward"], abs=1e-6)
+    assert len(evals) >= 2 and run.data.metrics["selected_reward"] == pytest.approx(max(evals))
+    assert load_policy_file(tmp_path / "run" / "policy").controller == "learned"
+    bad = ["train", "--model", "tiny-random", "--out", "x", "--no-register"]
+    assert tune_main([*bad, "--algo", "ppo", "--timesteps", "8", "--learning-starts", "0"]) == 2
+    assert "--learning-starts is for sac" in capsys.readouterr().err
+    assert tune_main([*bad, "--algo", "optuna", "--trials", "1", "--gamma", "0.5"]) == 2
+    assert "--gamma and --ent-coef are for ppo or sac" in capsys.readouterr().err
+    assert tune_main([*bad, "--algo", "ppo", "--timesteps", "8", "--ent-coef", "auto"]) == 2
+    assert "--ent-coef must be a number" in capsys.readouterr().err
+    assert tune_main([*bad, "--algo", "sac", "--timesteps", "8", "--gamma", "1.5"]) == 2
+    assert "--gamma must be in [0, 1]" in capsys.readouterr().err
+
+
 def test_held_out_training_items_choose_the_export(data):
     """``hold_out``: disjoint, deterministic, every kind with two or more items on both sides; one item per kind
     leaves nothing to hold out."""

@@ -90,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=None)
     train.add_argument("--log-std-init", type=float, default=None, help="ppo/sac: log standard deviation of the "
                        "Gaussian policy at the start (default the preset's, -1: 0.37 in action units)")  # fmt: skip
+    train.add_argument("--gamma", type=float, default=None, help="ppo/sac: discount of later segments' rewards "
+                       "(default the preset's, 0.99; lower values credit an action mostly with its own segment and "
+                       "discount a retrieval answer at the episode's end)")  # fmt: skip
+    train.add_argument("--learning-starts", type=int, default=None, help="sac: uniformly random actions before the "
+                       "first gradient step (default the preset's, 128; 0 explores around the start from the "
+                       "first step)")  # fmt: skip
+    train.add_argument("--ent-coef", default=None, help="ppo/sac: entropy bonus (default SB3's: ppo 0, sac auto, "
+                       "learned from 1.0); sac also auto_X: learned from X")  # fmt: skip
     train.add_argument("--eval-every", type=int, default=None, help="updates between evaluations of the "
                        "deterministic policy on every training episode (0: only before and after)")  # fmt: skip
     train.add_argument(
@@ -237,18 +245,36 @@ def _scorers(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def _ent_coef(text: str, algo: str) -> float | str:
+    """``--ent-coef`` as SB3 takes it: a number, or for SAC ``auto`` / ``auto_X`` (learned, starting at X)."""
+    auto = algo == "sac" and (text == "auto" or text.startswith("auto_"))
+    try:
+        value = float(text.removeprefix("auto").removeprefix("_") or 1) if auto else float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0 or (auto and value == 0):
+        raise ConfkvError(f"--ent-coef must be a number >= 0 (sac also: auto, auto_X with X > 0); got {text!r}")
+    return text if auto else value
+
+
 def _preset(args: argparse.Namespace) -> Any:
     import dataclasses
 
     from agents.sb3 import PRESETS
 
     changes = {k: getattr(args, k) for k in ("n_steps", "batch_size", "n_epochs", "learning_rate", "eval_every",
-                                             "log_std_init") if getattr(args, k) is not None}  # fmt: skip
+                                             "log_std_init", "gamma", "learning_starts", "ent_coef")
+               if getattr(args, k) is not None}  # fmt: skip
     if args.n_envs is not None:
         changes["n_envs"] = args.n_envs
-    positive = [v for k, v in changes.items() if k not in ("eval_every", "log_std_init")]
+    signed = ("eval_every", "log_std_init", "gamma", "learning_starts", "ent_coef")  # checked on their own
+    positive = [v for k, v in changes.items() if k not in signed]
     if any(v <= 0 for v in positive) or changes.get("eval_every", 0) < 0:
         raise ConfkvError("--n-envs, --n-steps, --batch-size, --n-epochs and --learning-rate must be positive")
+    if not 0 <= changes.get("gamma", 0) <= 1 or changes.get("learning_starts", 0) < 0:
+        raise ConfkvError("--gamma must be in [0, 1] and --learning-starts at least 0")
+    if "ent_coef" in changes:
+        changes["ent_coef"] = _ent_coef(changes["ent_coef"], args.algo)
     if changes.get("eval_every") == 0:
         changes["eval_every"] = 1 << 30  # before the first update and after the last only
     if args.mode == "decode":
@@ -301,6 +327,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("--init-policy starts a knobs agent (ppo or sac with --action knobs)")
     if args.relative_reward and args.algo == "optuna":
         raise ConfkvError("--relative-reward is for ppo or sac")
+    if (args.gamma is not None or args.ent_coef is not None) and args.algo == "optuna":
+        raise ConfkvError("--gamma and --ent-coef are for ppo or sac")
+    if args.learning_starts is not None and args.algo != "sac":
+        raise ConfkvError("--learning-starts is for sac")
     if args.validation_fraction is not None and args.algo == "optuna":
         raise ConfkvError("--validation-fraction is for ppo or sac (optuna keeps its best trial on all items)")
     scorers = _scorers(args)
