@@ -234,8 +234,8 @@ def test_ppo_warm_started_from_a_tuned_policy_keeps_its_best_evaluation(tmp_path
 
 def test_sac_refines_a_tuned_policy_with_its_discount_and_no_random_warm_up(tmp_path, monkeypatch, capsys):
     """SAC through the CLI: ``--learning-starts 0`` explores around the start from the first step (no uniform
-    draws over the whole box), ``--gamma`` reaches the learner, the untrained actor is exactly the tuned policy and
-    the export is never below it on the evaluated episodes."""
+    draws over the whole box), ``--gamma`` and ``--ent-coef`` are the run's preset (which ``train_sb3`` hands to
+    SB3), the untrained actor is exactly the tuned policy and the export is the best evaluation, the start included."""
     import yaml
 
     from envs.episodes import default_base_policy
