@@ -161,11 +161,12 @@ class _Progress(BaseCallback):
         return self.model.predict(obs, deterministic=True)[0]
 
     def _eval(self) -> None:
-        # PPO: updates (rollouts); SAC: its gradient steps, the unit its schedule is stated in
-        updates = self.model._n_updates if isinstance(self.model, SAC) else self.rollouts // self.rollouts_per_update
-        if self.evaluate is None or updates == self.last_eval:
+        done = self.rollouts // self.rollouts_per_update  # what the schedule counts: one evaluation per value
+        if self.evaluate is None or done == self.last_eval:
             return
-        self.last_eval = updates
+        self.last_eval = done
+        # labelled in the unit the run's schedule states: PPO updates, SAC gradient steps
+        updates = self.model._n_updates if isinstance(self.model, SAC) else done
         metrics = self.evaluate(self._act)
         if self.best is None or metrics["reward"] > self.best[0]:
             self.best = (float(metrics["reward"]), updates, copy.deepcopy(self.model.policy.state_dict()))
