@@ -53,6 +53,12 @@ class CachePolicy(BaseModel):
         description="what an expansion grows: the applied budget (recalled blocks, then new tokens fill it), or only "
         "the blocks recall brings back that draw at least a resident block's average attention",
     )
+    reselect_after_prompt: bool = Field(
+        False,
+        description="once the prompt is read, its last query picks the blocks kept from the device and the host tier "
+        "(the largest share any attention head gives a block), and its token is recomputed if host blocks came back "
+        "(dynamic, learned)",
+    )
     sink_tokens: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     compact_interval: int = Field(50, ge=1, description="tokens between budget contractions")

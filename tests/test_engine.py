@@ -73,6 +73,27 @@ def test_dynamic_stays_within_bounds(tiny, entropy_threshold, expect_expansion):
         assert out.trace.resident[-1] <= base + bs
 
 
+def test_the_prompts_last_query_reselects_its_blocks_before_the_first_token(tiny):
+    """``reselect_after_prompt``: a prompt read chunk by chunk (trimmed to ``max_size`` between chunks) ends with its
+    last query choosing what stays among device and host blocks; blocks that come back are seen by the first token,
+    whose row is recomputed before it is chosen, and the sequence holds its budget, not ``max_size``, at that token."""
+    base, bs = 96, 16
+    kw = dict(max_num_batched_tokens=64, base_size=base, max_size=128, min_recent=16, sink_tokens=4, compact_interval=8,
+              entropy_threshold=100.0, gap_threshold=0.0, kv_cache_memory="8MiB")  # fmt: skip
+    prompt = "Budgets move with confidence; the cache follows the budget. " * 8  # ~490 tokens
+    plain = LLM("tiny-random", "dynamic", loaded=tiny, **kw).generate(prompt, greedy(12))[0]
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, reselect_after_prompt=True, **kw)
+    out = llm.generate(prompt, greedy(12))[0]
+    engine = llm.engine
+    assert plain.kv["recalled_blocks"] == 0 and plain.trace.resident[0] > 128  # never expands: nothing comes back
+    assert engine.manager.reselections == 1 and engine.num_reruns == 1
+    assert out.kv["recalled_blocks"] > 0 and out.kv["expansions"] == 0
+    assert out.trace.resident[0] == base and max(out.trace.resident) <= base + bs
+    assert out.token_ids != plain.token_ids  # the first token saw another context
+    short = llm.generate("Hi", greedy(4))[0]  # a prompt that fits: nothing to choose, nothing recomputed
+    assert engine.manager.reselections == 1 and engine.num_reruns == 1 and short.kv["evicted_blocks"] == 0
+
+
 def test_dynamic_without_eviction_pressure_equals_full(tiny, tiny_reference):
     """With max_size above the sequence length nothing is evicted, so dynamic must be exact too."""
     llm = LLM("tiny-random", "dynamic", loaded=tiny, base_size=512, max_size=1024, min_recent=128)

@@ -158,3 +158,51 @@ def test_decode_capture_by_the_fused_kernel_equals_explicit_attention(dtype):
     torch.testing.assert_close(fused_out, explicit_out, **tol)
     torch.testing.assert_close(fused_lse, explicit_lse.float(), **tol)
     assert fused_lse.shape == (2, KVH, heads // KVH)
+
+
+def test_the_prompts_last_query_reselects_a_block_one_head_looks_up_from_the_host_tier():
+    """After the prompt, ``reselect`` ranks device and host blocks alike by the largest share any one head gives a
+    block: a record that one head looks up comes back from the host tier, though the heads that spread their
+    attention over other blocks outweigh it in a summed score (what ``recall`` ranks by)."""
+    policy = CachePolicy(controller="dynamic", base_size=16, max_size=64, min_recent=8, sink_tokens=4)
+    mgr, pool, host = _manager(policy)
+    kv = mgr.open(0, make_controller(policy), 64)
+    _fill(pool, mgr, kv, 40)  # 10 blocks: 0 holds the sinks, 8-9 the recent window
+    needle, ramp = 2, torch.tensor([0, 0, 0, 1, 1.5, 2, 2.5, 3, 0, 0])
+    for pos in range(40):
+        slot = kv.table.slot(pos)
+        pool.k[:, slot] = 0.0
+        pool.k[:, slot, :, 0] = ramp[pos // BS]  # every head but one prefers the later blocks, mildly
+        if pos // BS == needle:
+            pool.k[1, slot, 1, 1] = 4.0  # ... and layer 1, KV head 1 looks this one up
+    mgr.evict_to(kv, 24)
+    assert kv.table.entries[needle] == ON_HOST
+    q = torch.zeros(L, KVH, 1, D)
+    q[..., 0] = 4.0
+    q[1, 1, 0] = 0.0
+    q[1, 1, 0, 1] = 8.0
+
+    candidates = list(range(1, 8))  # between the sink block and the recent window
+    share = torch.zeros(L, KVH, len(candidates))
+    for j, i in enumerate(candidates):  # every candidate's key, wherever it is, as written above
+        k = torch.zeros(L, KVH, D)
+        k[..., 0] = ramp[i]
+        if i == needle:
+            k[1, 1, 1] = 4.0
+        share[:, :, j] = torch.exp((q[:, :, 0] * k).sum(-1) * D**-0.5) * BS
+    share = share / share.sum(-1, keepdim=True)
+    assert candidates[int(share.sum(dim=(0, 1)).argmax())] != needle  # a sum would rank another block first
+    assert candidates[int(share.amax(dim=(0, 1)).argmax())] == needle
+
+    back = mgr.reselect(kv, q, 16.0)
+    entries = kv.table.entries
+    assert kv.budget == 16 and kv.table.resident_tokens() == 16
+    assert back == 1 and entries[needle] >= 0  # the one block that fits beside the sinks and the recent window
+    assert entries[0] >= 0 and entries[8] >= 0 and entries[9] >= 0
+    assert [i for i, e in enumerate(entries) if e >= 0] == [0, needle, 8, 9]
+    for off in range(BS):
+        assert float(pool.k[1, kv.table.slot(needle * BS + off), 1, 1]) == 4.0
+    assert mgr.reselections == 1 and kv.stats.recalled_blocks == 1
+    assert sorted(host.blocks_of(0)) == [i for i, e in enumerate(entries) if e == ON_HOST]
+    mgr.close(kv)
+    assert pool.num_used == 0 and len(host) == 0

@@ -391,12 +391,22 @@ class LLMEngine:
         return outputs
 
     def _capture(self, chunks: list[ScheduledChunk]) -> set[int]:
-        """Sequences whose sampling query is kept: those that might recall host blocks this step."""
+        """Sequences whose sampling query is kept: those that might recall host blocks this step, or whose prompt
+        ends here and picks the blocks it keeps."""
         return {
             ch.seq.seq_id
             for ch in chunks
-            if ch.samples and ch.seq.kv.controller.recalls and self.host.has_blocks(ch.seq.seq_id)
+            if ch.samples
+            and ch.seq.kv.controller.recalls
+            and (self.host.has_blocks(ch.seq.seq_id) or self._reselects(ch))
         }
+
+    @staticmethod
+    def _reselects(ch: ScheduledChunk) -> bool:
+        """Whether this chunk ends a generating sequence's prompt under a policy whose question picks what stays."""
+        seq = ch.seq
+        return (seq.kv.controller.policy.reselect_after_prompt and not seq.scored and not ch.rerun
+                and not seq.kv.prompt_trimmed and ch.start + ch.num_tokens == seq.num_prompt_tokens)  # fmt: skip
 
     def _run(self, chunks: list[ScheduledChunk]) -> ForwardResult:
         # a scored sequence's chunk of its text needs every row's logits (each row scores the next token)
@@ -538,6 +548,14 @@ class LLMEngine:
         if seq.prompt_done and seq.kv.table.resident_tokens() > seq.kv.budget:
             self.manager.evict_to(seq.kv, seq.kv.budget)
 
+    def _defer(self, seq: Sequence) -> None:
+        """Blocks came back: the token is chosen next step, from this one recomputed with them (only tokens of the
+        protected recent window are sure to be resident)."""
+        c = seq.kv.controller
+        seq.rerun = min(c.policy.recompute_tokens, max(1, c.protected_recent), seq.num_computed)
+        self.num_reruns += 1
+        self.rerun_tokens += seq.rerun
+
     def _sample(self, res: ForwardResult, chunks: list[ScheduledChunk]) -> list[StepOutput]:
         """Choose the next token of every generating sequence that reached its end this step."""
         resident_of = {id(ch): r for ch, r in zip(chunks, res.resident, strict=True)}
@@ -565,15 +583,15 @@ class LLMEngine:
                 pool_usage=self.pool.usage,
             )
             state = c.update(seq.ctrl, s)
-            if c.evicts and state.budget > seq.ctrl.budget:
+            if self._reselects(ch) and seq.seq_id in res.captured:
+                if self.manager.reselect(seq.kv, seq.last_query[0], state.budget):
+                    self._defer(seq)
+                    deferred.add(i)
+            elif c.evicts and state.budget > seq.ctrl.budget:
                 expanded[i] = True
                 if self._expand(seq, state.budget, res):
-                    # the token is chosen next step, from this one recomputed with the recalled blocks (only
-                    # tokens of the protected recent window are sure to be resident)
-                    seq.rerun = min(c.policy.recompute_tokens, max(1, c.protected_recent), seq.num_computed)
+                    self._defer(seq)
                     deferred.add(i)
-                    self.num_reruns += 1
-                    self.rerun_tokens += seq.rerun
             seq.ctrl = state
         if deferred:
             keep = [i for i in range(len(sampling)) if i not in deferred]

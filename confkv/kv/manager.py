@@ -110,6 +110,7 @@ class CacheManager:
         self.recall_queries = 0
         self.expansions = 0
         self.contractions = 0
+        self.reselections = 0
 
     @property
     def block_size(self) -> int:
@@ -256,7 +257,13 @@ class CacheManager:
             order = sorted(range(len(candidates)), key=lambda j: (scores[j], candidates[j]))
             ranked = [candidates[j] for j in order]
         victims = ranked[: min(len(ranked), math.ceil(excess / bs))]
-        victims.sort()
+        return self._to_host(kv, sorted(victims))
+
+    def _to_host(self, kv: SequenceKV, victims: list[int]) -> int:
+        """Move device blocks (logical indices, in order) of a sequence to the host tier; returns how many."""
+        if not victims:
+            return 0
+        table = kv.table
         block_ids = [table.entries[i] for i in victims]
         k, v, score = self.pool.read_blocks(block_ids)
         dropped = self.host.put(kv.seq_id, victims, k, v, score)
@@ -269,6 +276,15 @@ class CacheManager:
         kv.stats.host_peak_bytes = max(kv.stats.host_peak_bytes, kv.stats.host_bytes)
         self.evicted_blocks += len(victims)
         return len(victims)
+
+    def _to_device(
+        self, kv: SequenceKV, indices: list[int], k: torch.Tensor, v: torch.Tensor, score: torch.Tensor
+    ) -> None:
+        """Write blocks taken from the host tier (logical ``indices``, in order) into newly allocated device blocks."""
+        ids = self.pool.allocate(len(indices))
+        self.pool.write_blocks(ids, k, v, score)
+        for i, block in zip(indices, ids, strict=True):
+            kv.table.entries[i] = block
 
     # ------------------------------------------------------------------------------------ whole-sequence moves
     def offload_all(self, kv: SequenceKV) -> int:
@@ -292,11 +308,7 @@ class CacheManager:
         host = host[: self.pool.num_free]
         if not host:
             return 0
-        ids = self.pool.allocate(len(host))
-        k, v, score = self.host.take(kv.seq_id, host)
-        self.pool.write_blocks(ids, k, v, score)
-        for i, block in zip(host, ids, strict=True):
-            kv.table.entries[i] = block
+        self._to_device(kv, host, *self.host.take(kv.seq_id, host))
         return len(host)
 
     def truncate(self, kv: SequenceKV, n_tokens: int) -> int:
@@ -364,11 +376,7 @@ class CacheManager:
                 return []
         top = mass.topk(n)
         chosen = sorted(host_idx[j] for j in top.indices.tolist())
-        ids = self.pool.allocate(n)
-        k, v, score = self.host.take(kv.seq_id, chosen)
-        self.pool.write_blocks(ids, k, v, score)
-        for i, block in zip(chosen, ids, strict=True):
-            table.entries[i] = block
+        self._to_device(kv, chosen, *self.host.take(kv.seq_id, chosen))
         # a hit: at least the average share of a resident block, the recalled ones included
         hits = int((top.values >= heads / len(table.resident_indices())).sum())
         kv.stats.recalled_blocks += n
@@ -377,3 +385,51 @@ class CacheManager:
         self.recalled_blocks += n
         self.recall_hits += hits
         return chosen
+
+    # ------------------------------------------------------------------------------------ the prompt's last query
+    def reselect(self, kv: SequenceKV, q: torch.Tensor, budget: float) -> int:
+        """Once the prompt is read: let its last query choose which evictable blocks stay, from the device and the
+        host tier alike, and come down to ``budget``; returns how many host blocks came back (the query's token
+        must then be recomputed to see them).
+
+        While a long prompt is read, its chunks are trimmed by what each chunk's own queries attended to, before
+        the question at its end exists; a record the question asks for may already be in the host tier. Here every
+        candidate block is scored by the largest share of attention any one head of any layer gives it, among the
+        candidates (``q`` as in ``recall``): a summed score lets the many heads that spread their attention drown
+        the few that look the record up (BENCHMARKS.md, "The question picks the prompt's blocks").
+        """
+        table, bs = kv.table, self.block_size
+        kv.budget = budget
+        resident = self._evictable(kv)
+        host = table.host_indices()
+        candidates = resident + host
+        if not candidates:
+            return 0
+        fixed = table.resident_tokens() - len(resident) * bs  # sinks and the recent window stay regardless
+        keep = max(0, int((budget - fixed) // bs))
+        if keep >= len(candidates) and not host:
+            return 0
+        parts = []
+        if resident:
+            ids = torch.tensor([table.entries[i] for i in resident], device=self.pool.device)
+            parts.append(BlockView(self.pool, resident, ids).keys().to("cpu", torch.float32))
+        if host:
+            parts.append(self.host.keys_of(kv.seq_id, host).float())
+        keys = torch.cat(parts, dim=1)  # [L, n, bs, kvh, D]
+        logits = torch.einsum("lkgd,lnbkd->lkgnb", q.to("cpu", torch.float32), keys) * self.scaling
+        share = logits.flatten(-2).softmax(dim=-1).unflatten(-1, logits.shape[-2:]).sum(dim=-1)  # [L, kvh, g, n]
+        score = share.flatten(0, 2).amax(dim=0)
+        order = sorted(range(len(candidates)), key=lambda j: (-float(score[j]), candidates[j]))
+        chosen = set(order[:keep])
+        evict = [candidates[j] for j in range(len(resident)) if j not in chosen]
+        room = self.pool.num_free + len(evict)  # what the device can take once the others have left
+        back = sorted([candidates[j] for j in order[:keep] if j >= len(resident)][:room])
+        self.reselections += 1
+        taken = self.host.take(kv.seq_id, back) if back else None
+        self._to_host(kv, evict)
+        if taken is not None:
+            self._to_device(kv, back, *taken)
+        kv.stats.recalled_blocks += len(back)
+        kv.stats.host_bytes = self.host.bytes_of(kv.seq_id)
+        self.recalled_blocks += len(back)
+        return len(back)
