@@ -84,7 +84,8 @@ def main() -> None:
             cells.append(f"{ranks[0]:>4} / {ranks[1]:>3} / {ranks[2]:>3}")
         print(f"{it.item_id:<22} {it.meta.get('depth', 0):>5} {answer_block:>4}/{n_blocks:<4}  "
               + "  ".join(f"{c:>22}" for c in cells), flush=True)  # fmt: skip
-    print(f"(ranks among {n_blocks - RECENT_BLOCKS - 1} or so evictable blocks of {BLOCK} tokens; 1 = kept first)")
+    print(f"(ranks among the {BLOCK}-token blocks between the sink block and the last {RECENT_BLOCKS}: n_blocks - "
+          f"{RECENT_BLOCKS + 1} of them; 1 = kept first)")  # fmt: skip
 
 
 if __name__ == "__main__":
