@@ -718,6 +718,7 @@ class LLMEngine:
             "recalled_blocks": m.recalled_blocks,
             "recall_hits": m.recall_hits,
             "recall_queries": m.recall_queries,
+            "reselections": m.reselections,
             "expansions": m.expansions,
             "refused_expansions": s.refused_expansions,
             "contractions": m.contractions,

@@ -92,6 +92,7 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "confkv:recalled_blocks": ("recalled_blocks", "KV blocks brought back from the host tier."),
     "confkv:recall_hits": ("recall_hits", "Recall queries that brought back at least one block."),
     "confkv:recall_queries": ("recall_queries", "Recall queries (hit rate = recall_hits / recall_queries)."),
+    "confkv:prompt_reselections": ("reselections", "Prompts whose last query re-picked the blocks they keep."),
     "confkv:budget_expansions": ("expansions", "Times a sequence's KV budget grew (uncertain steps)."),
     "confkv:budget_contractions": ("contractions", "Times a sequence's KV budget shrank."),
     "confkv:budget_expansions_refused": ("refused_expansions", "Budget expansions refused for lack of free blocks."),
