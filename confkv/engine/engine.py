@@ -583,7 +583,7 @@ class LLMEngine:
                 pool_usage=self.pool.usage,
             )
             state = c.update(seq.ctrl, s)
-            if self._reselects(ch) and seq.seq_id in res.captured:
+            if seq.seq_id in res.captured and self._reselects(ch):
                 if self.manager.reselect(seq.kv, seq.last_query[0], state.budget):
                     self._defer(seq)
                     deferred.add(i)

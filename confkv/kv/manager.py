@@ -259,8 +259,9 @@ class CacheManager:
         victims = ranked[: min(len(ranked), math.ceil(excess / bs))]
         return self._to_host(kv, sorted(victims))
 
-    def _to_host(self, kv: SequenceKV, victims: list[int]) -> int:
-        """Move device blocks (logical indices, in order) of a sequence to the host tier; returns how many."""
+    def _to_host(self, kv: SequenceKV, victims: list[int], evicted: bool = True) -> int:
+        """Move device blocks (logical indices, in order) of a sequence to the host tier; returns how many.
+        ``evicted=False`` for a whole parked session, which is not eviction and is not counted as one."""
         if not victims:
             return 0
         table = kv.table
@@ -271,6 +272,8 @@ class CacheManager:
             table.entries[i] = ON_HOST
         self.pool.free(block_ids)
         self._mark_dropped(dropped)
+        if not evicted:
+            return len(victims)
         kv.stats.evicted_blocks += len(victims)
         kv.stats.host_bytes = self.host.bytes_of(kv.seq_id)
         kv.stats.host_peak_bytes = max(kv.stats.host_peak_bytes, kv.stats.host_bytes)
@@ -290,17 +293,7 @@ class CacheManager:
     def offload_all(self, kv: SequenceKV) -> int:
         """Move every device block of a sequence to the host tier (a parked session under memory pressure);
         returns the blocks freed on the device."""
-        idx = kv.table.resident_indices()
-        if not idx:
-            return 0
-        block_ids = [kv.table.entries[i] for i in idx]
-        k, v, score = self.pool.read_blocks(block_ids)
-        dropped = self.host.put(kv.seq_id, idx, k, v, score)
-        for i in idx:
-            kv.table.entries[i] = ON_HOST
-        self.pool.free(block_ids)
-        self._mark_dropped(dropped)
-        return len(idx)
+        return self._to_host(kv, kv.table.resident_indices(), evicted=False)
 
     def restore_to_device(self, kv: SequenceKV, indices: list[int]) -> int:
         """Bring host blocks back to the device, as many as there are free blocks; returns how many came back."""
@@ -418,8 +411,8 @@ class CacheManager:
         keys = torch.cat(parts, dim=1)  # [L, n, bs, kvh, D]
         logits = torch.einsum("lkgd,lnbkd->lkgnb", q.to("cpu", torch.float32), keys) * self.scaling
         share = logits.flatten(-2).softmax(dim=-1).unflatten(-1, logits.shape[-2:]).sum(dim=-1)  # [L, kvh, g, n]
-        score = share.flatten(0, 2).amax(dim=0)
-        order = sorted(range(len(candidates)), key=lambda j: (-float(score[j]), candidates[j]))
+        score = share.flatten(0, 2).amax(dim=0).tolist()
+        order = sorted(range(len(candidates)), key=lambda j: (-score[j], candidates[j]))
         chosen = set(order[:keep])
         evict = [candidates[j] for j in range(len(resident)) if j not in chosen]
         room = self.pool.num_free + len(evict)  # what the device can take once the others have left
