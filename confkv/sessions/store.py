@@ -22,18 +22,19 @@ the rename survives a crash); an S3 object becomes visible only when its PUT (or
 completes, so the final key is written in one ``pipe_file``; the memory filesystem commits a new file with one
 dict assignment.
 
-Faults. Every transport failure (connection refused, DNS, TLS, HTTP 5xx, permission, a missing bucket on write)
-raises ``StoreUnavailable``. On S3, botocore's connect and read (idle socket) timeouts are ``timeout_s`` with one
-attempt, and s3fs retries twice, so a refused connection fails in well under a second and a hung endpoint (one that
-accepts and never answers) after about ``timeout_s``. Every call also runs under an overall deadline
-(``asyncio.wait_for`` through fsspec's ``sync(..., timeout=)``) of ``timeout_s`` plus the bytes it moves over
-``min_bytes_per_s``: a live transfer of a 100 MB record is not cut off at 5 s, and an endpoint that trickles bytes
-to dodge the idle timeout is still cut off. A read first asks for the object's size (one HEAD request) to set that
-deadline. A local folder has no deadline (a local disk does not hang; a hard-mounted NFS folder could, and is not
-supported as the local store). Bytes that are not a sound record raise ``CorruptRecord``; a sound record for another
-model, block size, dtype, format version or session raises ``ForeignRecord``; an absent one raises
-``RecordMissing`` (a miss, not a fault). There is no "down" state: each call tries the backend again, so a store
-that comes back is used again without a restart.
+Faults. Every transport failure (connection refused, DNS, TLS, HTTP 5xx, permission, a missing bucket on write) raises
+``StoreUnavailable``. On S3, botocore's connect and read (idle socket) timeouts are ``timeout_s`` with one attempt, and
+s3fs retries twice, so a refused connection fails in well under a second and a hung endpoint (one that accepts and never
+answers) after about ``timeout_s``. Every call also runs under an overall deadline (``asyncio.wait_for`` through
+fsspec's ``sync(..., timeout=)``) of ``timeout_s`` plus the bytes it moves over ``min_bytes_per_s``: a live transfer of
+a 100 MB record is not cut off at 5 s, and an endpoint that trickles bytes to dodge the idle timeout is still cut off.
+The backend's client is built once, before the first call and outside its deadline: building it is local work (about 0.4
+s of CPU for botocore's service model) that a loaded machine can stretch past a short ``timeout_s``, and it is not the
+store being silent. A read first asks for the object's size (one HEAD request) to set that deadline. A local folder has
+no deadline (a local disk does not hang; a hard-mounted NFS folder could, and is not supported as the local store).
+Bytes that are not a sound record raise ``CorruptRecord``; a sound record for another model, block size, dtype, format
+version or session raises ``ForeignRecord``; an absent one raises ``RecordMissing`` (a miss, not a fault). There is no
+"down" state: each call tries the backend again, so a store that comes back is used again without a restart.
 
 Counters (``stats()``) are monotonic, for the server's ``/metrics``. Each fault is logged once, here, and the
 caller should not log it again: corrupt and foreign records at WARNING each time (each one is a distinct bad
@@ -135,6 +136,7 @@ class SessionStore:
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
         self._down = False  # only for logging transitions: never gates a call
+        self._client_ready = not self._remote
 
     def __repr__(self) -> str:
         return f"SessionStore({self.url!r}, timeout_s={self.timeout_s:g})"
@@ -279,6 +281,7 @@ class SessionStore:
         """One backend call, under a deadline that allows ``nbytes`` to move. ``FileNotFoundError`` passes through
         (the store answered: "no"); every other failure becomes ``StoreUnavailable``."""
         fs = self.fs
+        self._build_client()
         deadline = self.timeout_s + nbytes / self.min_bytes_per_s
         try:
             if name == "atomic_write":
@@ -296,6 +299,22 @@ class SessionStore:
             raise StoreUnavailable(f"{name} {path}: {type(err).__name__}: {err}") from err
         self._answered()
         return result
+
+    def _build_client(self) -> None:
+        """Build an async backend's client (s3fs: ``set_session``) under a deadline of its own. It is bounded too,
+        since botocore's default credential chain may ask an instance-metadata endpoint."""
+        if self._client_ready:
+            return
+        connect = getattr(self.fs, "set_session", None)
+        if connect is not None:
+            limit = max(10.0, 2 * self.timeout_s)
+            try:
+                sync(self.fs.loop, connect, timeout=limit)
+            except (TimeoutError, asyncio.TimeoutError) as err:
+                raise StoreUnavailable(f"{self.url}: client not built within {limit:.3g} s") from err
+            except Exception as err:
+                raise StoreUnavailable(f"{self.url}: cannot build the client: {type(err).__name__}: {err}") from err
+        self._client_ready = True
 
     def _answered(self) -> None:
         with self._lock:
