@@ -285,10 +285,11 @@ class EngineThread:
                         outs = []
                     finally:
                         self.busy_since = None
+                    self._beat()  # before the outputs reach clients: a scrape after a response sees it finished
                     self._dispatch(outs)
                 else:
                     self._housekeeping()
-                self._beat()
+                    self._beat()
         except Exception as err:  # a bug in this loop: /health must turn 503 rather than hang
             log.exception("engine thread died")
             self.fatal = f"{type(err).__name__}: {err}"
