@@ -206,3 +206,40 @@ def test_the_prompts_last_query_reselects_a_block_one_head_looks_up_from_the_hos
     assert sorted(host.blocks_of(0)) == [i for i, e in enumerate(entries) if e == ON_HOST]
     mgr.close(kv)
     assert pool.num_used == 0 and len(host) == 0
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "decayed", "h2o"])
+def test_a_reselected_block_is_not_the_next_contractions_first_victim(scorer: str) -> None:
+    """A block the question brought back from the host tier carried the low vote that had evicted it. Under a
+    scorer that ranks by the prompt's last queries' vote, the question's pick becomes every candidate's vote, so a
+    contraction right after evicts the block the question ranked last, not the one it just brought back; an
+    accumulating scorer (``h2o``) keeps its own record."""
+    policy = CachePolicy(controller="dynamic", base_size=16, max_size=64, min_recent=8, sink_tokens=4, scorer=scorer)
+    mgr, pool, host = _manager(policy)
+    kv = mgr.open(0, make_controller(policy), 64)
+    _fill(pool, mgr, kv, 40)  # 10 blocks: 0 holds the sinks, 8-9 the recent window
+    needle, ramp = 2, torch.tensor([0, 0, 0, 1, 1.5, 2, 2.5, 3, 0, 0])
+    for pos in range(40):
+        slot = kv.table.slot(pos)
+        pool.k[:, slot] = 0.0
+        pool.k[:, slot, :, 0] = ramp[pos // BS]
+        if pos // BS == needle:
+            pool.k[1, slot, 1, 1] = 4.0
+        pool.score[slot] = 0.0 if pos // BS == needle else 1.0 + pos  # the chunks' votes: the needle's lowest
+    mgr.evict_to(kv, 24)
+    assert kv.table.entries[needle] == ON_HOST
+    q = torch.zeros(L, KVH, 1, D)
+    q[..., 0] = 4.0
+    q[1, 1, 0] = 0.0
+    q[1, 1, 0, 1] = 8.0
+
+    assert mgr.reselect(kv, q, 24.0) >= 1
+    kept = [i for i in range(1, 8) if kv.table.entries[i] >= 0]
+    assert kept == [needle, 6, 7]  # the question's pick: the needle, then the blocks every other head prefers
+    mgr.evict_to(kv, 20)
+    after = [i for i in range(1, 8) if kv.table.entries[i] >= 0]
+    if scorer == "h2o":
+        assert after == [6, 7]  # its accumulated record still ranks the needle last
+    else:
+        assert after == [needle, 7]
+    mgr.close(kv)

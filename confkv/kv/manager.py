@@ -390,6 +390,12 @@ class CacheManager:
         candidate block is scored by the largest share of attention any one head of any layer gives it, among the
         candidates (``q`` as in ``recall``): a summed score lets the many heads that spread their attention drown
         the few that look the record up (BENCHMARKS.md, "The question picks the prompt's blocks").
+
+        Where the scorer ranks by a vote of the prompt's last queries (``prefill_attention == "window"``), this
+        pick becomes the vote of every candidate block, as the prompt's last chunk's vote would: otherwise a block
+        brought back keeps the vote of the chunk that evicted it, and the next contraction would evict it first.
+        Each token of a block records the block's score over ``block_size``; a decaying scorer lets the generated
+        tokens' attention take over within a few steps. Other scorers keep their records.
         """
         table, bs = kv.table, self.block_size
         kv.budget = budget
@@ -418,10 +424,20 @@ class CacheManager:
         room = self.pool.num_free + len(evict)  # what the device can take once the others have left
         back = sorted([candidates[j] for j in order[:keep] if j >= len(resident)][:room])
         self.reselections += 1
+        scorer = kv.controller.scorer
+        vote = None
+        if scorer is not None and scorer.prefill_attention == "window":
+            vote = torch.tensor(score, dtype=self.pool.score.dtype).div_(bs)[:, None].expand(-1, bs)
+            if resident:
+                self.pool.score[self.pool.slots_of(ids)] = vote[: len(resident)].reshape(-1).to(self.pool.device)
         taken = self.host.take(kv.seq_id, back) if back else None
         self._to_host(kv, evict)
         if taken is not None:
-            self._to_device(kv, back, *taken)
+            k, v, record = taken
+            if vote is not None:
+                row = {i: len(resident) + j for j, i in enumerate(host)}
+                record = vote[[row[i] for i in back]]
+            self._to_device(kv, back, k, v, record)
         kv.stats.recalled_blocks += len(back)
         kv.stats.host_bytes = self.host.bytes_of(kv.seq_id)
         self.recalled_blocks += len(back)
