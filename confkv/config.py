@@ -56,8 +56,8 @@ class CachePolicy(BaseModel):
     reselect_after_prompt: bool = Field(
         False,
         description="once the prompt is read, its last query picks the blocks kept from the device and the host tier "
-        "(the largest share any attention head gives a block), and its token is recomputed if host blocks came back "
-        "(dynamic, learned)",
+        "(the largest share any attention head gives a block), and its token is recomputed if host blocks came back; "
+        "in teacher-forced scoring it takes effect from the next chunk (dynamic, learned)",
     )
     sink_tokens: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")

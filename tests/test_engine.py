@@ -7,9 +7,11 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from confkv import LLM, CachePolicy, SamplingParams
 from confkv.errors import ConfkvError
+from confkv.scoring import ScoreItem, Scorer
 
 from .conftest import fresh_tiny, hf_greedy
 
@@ -92,6 +94,27 @@ def test_the_prompts_last_query_reselects_its_blocks_before_the_first_token(tiny
     assert out.token_ids != plain.token_ids  # the first token saw another context
     short = llm.generate("Hi", greedy(4))[0]  # a prompt that fits: nothing to choose, nothing recomputed
     assert engine.manager.reselections == 1 and engine.num_reruns == 1 and short.kv["evicted_blocks"] == 0
+
+
+def test_a_scored_texts_prompt_reselects_its_blocks_from_the_next_chunk(tiny):
+    """Teacher-forced scoring with ``reselect_after_prompt``: the prompt's last query re-picks the blocks (some come
+    back from the host tier), nothing is recomputed, so the text's first token is scored as without the key and the
+    rest, computed over the re-picked blocks, is not."""
+    kw = dict(max_num_batched_tokens=64, base_size=96, max_size=128, min_recent=16, sink_tokens=4, compact_interval=8,
+              entropy_threshold=100.0, gap_threshold=0.0, kv_cache_memory="8MiB")  # fmt: skip
+    plain_llm = LLM("tiny-random", "dynamic", loaded=tiny, **kw)
+    ids = plain_llm.tokenizer("Budgets move with confidence; the cache follows the budget. " * 9)["input_ids"]
+    score_from = 480
+    (plain,) = Scorer(plain_llm.engine).score([ScoreItem(ids, score_from)])
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, reselect_after_prompt=True, **kw)
+    (r,) = Scorer(llm.engine).score([ScoreItem(ids, score_from)])
+    engine = llm.engine
+    assert engine.manager.reselections == engine.stats()["reselections"] == 1 and engine.num_reruns == 0
+    assert plain.kv["recalled_blocks"] == 0 and r.kv["recalled_blocks"] > 0
+    assert float(r.token_logprobs[0]) == float(plain.token_logprobs[0])
+    assert not torch.equal(r.token_logprobs[1:], plain.token_logprobs[1:])
+    assert r.num_tokens == plain.num_tokens == len(ids) - score_from
+    assert engine.pool.num_used == 0
 
 
 def test_dynamic_without_eviction_pressure_equals_full(tiny, tiny_reference):

@@ -403,10 +403,10 @@ class LLMEngine:
 
     @staticmethod
     def _reselects(ch: ScheduledChunk) -> bool:
-        """Whether this chunk ends a generating sequence's prompt under a policy whose question picks what stays."""
+        """Whether this chunk ends a sequence's prompt under a policy whose question picks what stays."""
         seq = ch.seq
-        return (seq.kv.controller.policy.reselect_after_prompt and not seq.scored and not ch.rerun
-                and not seq.kv.prompt_trimmed and ch.start + ch.num_tokens == seq.num_prompt_tokens)  # fmt: skip
+        return (seq.kv.controller.policy.reselect_after_prompt and not ch.rerun and not seq.kv.prompt_trimmed
+                and ch.start + ch.num_tokens == seq.num_prompt_tokens)  # fmt: skip
 
     def _run(self, chunks: list[ScheduledChunk]) -> ForwardResult:
         # a scored sequence's chunk of its text needs every row's logits (each row scores the next token)
@@ -474,7 +474,9 @@ class LLMEngine:
         """Teacher-forced rows of one scored sequence: each row's distribution scores the next token of its text.
 
         The controller sees every token's signals in order; an expansion takes effect at the chunk's end (recall
-        with the chunk's last query), contraction at the compaction tick, exactly as between decode steps.
+        with the chunk's last query), contraction at the compaction tick, exactly as between decode steps. A
+        reselection at the prompt's end (``reselect_after_prompt``) likewise takes effect from the next chunk: the
+        text's first token is scored as the prompt left the cache, not recomputed.
         """
         seq, kv = ch.seq, ch.seq.kv
         row0, count = res.spans[index]
@@ -489,7 +491,9 @@ class LLMEngine:
                             self.pool.usage)  # fmt: skip
             state = c.update(state, s)
             budgets.append(state.budget)
-        if c.evicts and state.budget > kv.budget and seq.prompt_done:
+        if seq.seq_id in res.captured and self._reselects(ch):
+            self.manager.reselect(kv, seq.last_query[0], state.budget)
+        elif c.evicts and state.budget > kv.budget and seq.prompt_done:
             self._expand(seq, state.budget, res, recompute=False)
         seq.ctrl = state
         kv.stats.resident_sum += sum(resident - count + 1 + i for i in range(count))
