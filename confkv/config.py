@@ -59,6 +59,13 @@ class CachePolicy(BaseModel):
         "(the largest share any attention head gives a block), and its token is recomputed if host blocks came back; "
         "in teacher-forced scoring it takes effect from the next chunk (dynamic, learned)",
     )
+    reselect_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="with reselect_after_prompt: share of the blocks chosen by the prompt's last query (the rest keep "
+        "the scorer's ranking of the resident blocks)",
+    )
     sink_tokens: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     compact_interval: int = Field(50, ge=1, description="tokens between budget contractions")

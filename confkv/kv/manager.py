@@ -389,13 +389,13 @@ class CacheManager:
         the question at its end exists; a record the question asks for may already be in the host tier. Here every
         candidate block is scored by the largest share of attention any one head of any layer gives it, among the
         candidates (``q`` as in ``recall``): a summed score lets the many heads that spread their attention drown
-        the few that look the record up (BENCHMARKS.md, "The question picks the prompt's blocks").
+        the few that look the record up (BENCHMARKS.md, "The question picks the prompt's blocks"). The policy's
+        ``reselect_share`` of the blocks that fit are chosen so; the rest are the resident blocks the scorer ranks
+        highest, since a question about the whole context (a chat's next turn) draws on what the chunks' votes kept.
 
-        Where the scorer ranks by a vote of the prompt's last queries (``prefill_attention == "window"``), this
-        pick becomes the vote of every candidate block, as the prompt's last chunk's vote would: otherwise a block
-        brought back keeps the vote of the chunk that evicted it, and the next contraction would evict it first.
-        Each token of a block records the block's score over ``block_size``; a decaying scorer lets the generated
-        tokens' attention take over within a few steps. Other scorers keep their records.
+        The blocks the query chose are recorded above every resident candidate (each token: the highest token record
+        plus the block's score over ``block_size``), so the next contraction does not evict them first, and evicts
+        them in the query's order: a block brought back carried the low record that had evicted it.
         """
         table, bs = kv.table, self.block_size
         kv.budget = budget
@@ -409,35 +409,39 @@ class CacheManager:
         if keep >= len(candidates) and not host:
             return 0
         parts = []
+        ids = torch.tensor([table.entries[i] for i in resident], dtype=torch.long, device=self.pool.device)
+        view = BlockView(self.pool, resident, ids)
         if resident:
-            ids = torch.tensor([table.entries[i] for i in resident], device=self.pool.device)
-            parts.append(BlockView(self.pool, resident, ids).keys().to("cpu", torch.float32))
+            parts.append(view.keys().to("cpu", torch.float32))
         if host:
             parts.append(self.host.keys_of(kv.seq_id, host).float())
         keys = torch.cat(parts, dim=1)  # [L, n, bs, kvh, D]
         logits = torch.einsum("lkgd,lnbkd->lkgnb", q.to("cpu", torch.float32), keys) * self.scaling
         share = logits.flatten(-2).softmax(dim=-1).unflatten(-1, logits.shape[-2:]).sum(dim=-1)  # [L, kvh, g, n]
         score = share.flatten(0, 2).amax(dim=0).tolist()
-        order = sorted(range(len(candidates)), key=lambda j: (-score[j], candidates[j]))
-        chosen = set(order[:keep])
+        by_query = sorted(range(len(candidates)), key=lambda j: (-score[j], candidates[j]))
+        n_query = min(keep, math.ceil(kv.controller.policy.reselect_share * keep))
+        picked = by_query[:n_query]
+        chosen = set(picked)
+        scorer = kv.controller.scorer
+        if len(chosen) < keep and resident:
+            voted = scorer.score(view).tolist() if scorer is not None else [0.0] * len(resident)
+            by_vote = sorted(range(len(resident)), key=lambda j: (-voted[j], -candidates[j]))
+            chosen.update([j for j in by_vote if j not in chosen][: keep - len(chosen)])
         evict = [candidates[j] for j in range(len(resident)) if j not in chosen]
         room = self.pool.num_free + len(evict)  # what the device can take once the others have left
-        back = sorted([candidates[j] for j in order[:keep] if j >= len(resident)][:room])
+        back = sorted([candidates[j] for j in picked if j >= len(resident)][:room])
         self.reselections += 1
-        scorer = kv.controller.scorer
-        vote = None
-        if scorer is not None and scorer.prefill_attention == "window":
-            vote = torch.tensor(score, dtype=self.pool.score.dtype).div_(bs)[:, None].expand(-1, bs)
-            if resident:
-                self.pool.score[self.pool.slots_of(ids)] = vote[: len(resident)].reshape(-1).to(self.pool.device)
+        top = float(view.mass.max()) if resident else 0.0
+        record = {candidates[j]: self.pool.score.new_full((bs,), top + score[j] / bs) for j in picked}
+        stay = [j for j in picked if j < len(resident)]
+        if stay:
+            self.pool.score[self.pool.slots_of(ids[stay])] = torch.cat([record[candidates[j]] for j in stay])
         taken = self.host.take(kv.seq_id, back) if back else None
         self._to_host(kv, evict)
         if taken is not None:
-            k, v, record = taken
-            if vote is not None:
-                row = {i: len(resident) + j for j, i in enumerate(host)}
-                record = vote[[row[i] for i in back]]
-            self._to_device(kv, back, k, v, record)
+            k, v, _ = taken
+            self._to_device(kv, back, k, v, torch.stack([record[i] for i in back]))
         kv.stats.recalled_blocks += len(back)
         kv.stats.host_bytes = self.host.bytes_of(kv.seq_id)
         self.recalled_blocks += len(back)
