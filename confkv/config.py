@@ -60,7 +60,7 @@ class CachePolicy(BaseModel):
         "in teacher-forced scoring it takes effect from the next chunk (dynamic, learned)",
     )
     reselect_share: float = Field(
-        1.0,
+        0.25,
         gt=0,
         le=1,
         description="with reselect_after_prompt: share of the blocks chosen by the prompt's last query (the rest keep "

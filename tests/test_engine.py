@@ -84,7 +84,7 @@ def test_the_prompts_last_query_reselects_its_blocks_before_the_first_token(tiny
               entropy_threshold=100.0, gap_threshold=0.0, kv_cache_memory="8MiB")  # fmt: skip
     prompt = "Budgets move with confidence; the cache follows the budget. " * 8  # ~490 tokens
     plain = LLM("tiny-random", "dynamic", loaded=tiny, **kw).generate(prompt, greedy(12))[0]
-    llm = LLM("tiny-random", "dynamic", loaded=tiny, reselect_after_prompt=True, **kw)
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, reselect_after_prompt=True, reselect_share=1.0, **kw)
     out = llm.generate(prompt, greedy(12))[0]
     engine = llm.engine
     assert plain.kv["recalled_blocks"] == 0 and plain.trace.resident[0] > 128  # never expands: nothing comes back
@@ -106,7 +106,7 @@ def test_a_scored_texts_prompt_reselects_its_blocks_from_the_next_chunk(tiny):
     ids = plain_llm.tokenizer("Budgets move with confidence; the cache follows the budget. " * 9)["input_ids"]
     score_from = 480
     (plain,) = Scorer(plain_llm.engine).score([ScoreItem(ids, score_from)])
-    llm = LLM("tiny-random", "dynamic", loaded=tiny, reselect_after_prompt=True, **kw)
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, reselect_after_prompt=True, reselect_share=1.0, **kw)
     (r,) = Scorer(llm.engine).score([ScoreItem(ids, score_from)])
     engine = llm.engine
     assert engine.manager.reselections == engine.stats()["reselections"] == 1 and engine.num_reruns == 0

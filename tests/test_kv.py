@@ -238,7 +238,7 @@ def test_a_reselected_block_is_not_the_next_contractions_first_victim(scorer: st
     """A block the question brought back from the host tier carried the low record that had evicted it. The blocks
     the question picks are recorded above every resident block, in the order it ranked them, so a contraction right
     after evicts the block it ranked last, not the one it just brought back, whatever the scorer."""
-    mgr, kv, q = _needle_scene(scorer=scorer)
+    mgr, kv, q = _needle_scene(scorer=scorer, reselect_share=1.0)
     assert mgr.reselect(kv, q, 24.0) == 1
     assert [i for i in range(1, 8) if kv.table.entries[i] >= 0] == [2, 5, 6]  # the needle, then what others prefer
     mgr.evict_to(kv, 20)
