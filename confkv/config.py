@@ -55,9 +55,9 @@ class CachePolicy(BaseModel):
     )
     reselect_after_prompt: bool = Field(
         False,
-        description="once the prompt is read, its last query picks the blocks kept from the device and the host tier "
-        "(the largest share any attention head gives a block), and its token is recomputed if host blocks came back; "
-        "in teacher-forced scoring it takes effect from the next chunk (dynamic, learned)",
+        description="once the prompt is read, its last query picks (reselect_share of) the blocks kept from the device "
+        "and the host tier (the largest share any attention head gives a block), and its token is recomputed if host "
+        "blocks came back; in teacher-forced scoring it takes effect from the next chunk (dynamic, learned)",
     )
     reselect_share: float = Field(
         0.25,
