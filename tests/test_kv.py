@@ -160,27 +160,41 @@ def test_decode_capture_by_the_fused_kernel_equals_explicit_attention(dtype):
     assert fused_lse.shape == (2, KVH, heads // KVH)
 
 
-def test_the_prompts_last_query_reselects_a_block_one_head_looks_up_from_the_host_tier():
-    """After the prompt, ``reselect`` ranks device and host blocks alike by the largest share any one head gives a
-    block: a record that one head looks up comes back from the host tier, though the heads that spread their
-    attention over other blocks outweigh it in a summed score (what ``recall`` ranks by)."""
-    policy = CachePolicy(controller="dynamic", base_size=16, max_size=64, min_recent=8, sink_tokens=4)
+def _needle_scene(ramp: torch.Tensor, **policy_kw):
+    """Ten blocks of four tokens: block 0 holds the sinks, 8-9 the recent window; layer 1, KV head 1 of the query
+    looks block 2 up, every other head mildly prefers blocks by ``ramp``. The chunks' votes (records) rank block 2
+    last and later blocks higher, and a contraction to 24 tokens has sent 1-4 to the host tier."""
+    policy = CachePolicy(controller="dynamic", base_size=16, max_size=64, min_recent=8, sink_tokens=4, **policy_kw)
     mgr, pool, host = _manager(policy)
     kv = mgr.open(0, make_controller(policy), 64)
-    _fill(pool, mgr, kv, 40)  # 10 blocks: 0 holds the sinks, 8-9 the recent window
-    needle, ramp = 2, torch.tensor([0, 0, 0, 1, 1.5, 2, 2.5, 3, 0, 0])
+    _fill(pool, mgr, kv, 40)
     for pos in range(40):
         slot = kv.table.slot(pos)
         pool.k[:, slot] = 0.0
-        pool.k[:, slot, :, 0] = ramp[pos // BS]  # every head but one prefers the later blocks, mildly
-        if pos // BS == needle:
-            pool.k[1, slot, 1, 1] = 4.0  # ... and layer 1, KV head 1 looks this one up
+        pool.k[:, slot, :, 0] = ramp[pos // BS]
+        if pos // BS == 2:
+            pool.k[1, slot, 1, 1] = 4.0
+        pool.score[slot] = 0.0 if pos // BS == 2 else 1.0 + pos
     mgr.evict_to(kv, 24)
-    assert kv.table.entries[needle] == ON_HOST
+    assert [i for i in range(1, 8) if kv.table.entries[i] >= 0] == [5, 6, 7]
     q = torch.zeros(L, KVH, 1, D)
     q[..., 0] = 4.0
     q[1, 1, 0] = 0.0
     q[1, 1, 0, 1] = 8.0
+    return mgr, pool, host, kv, q
+
+
+#: blocks 5, 6, 7 preferred in that order by every head but the one that looks block 2 up
+LATE_RAMP = torch.tensor([0, 0, 0, 1, 1.5, 3, 2.5, 2, 0, 0])
+
+
+def test_the_prompts_last_query_reselects_a_block_one_head_looks_up_from_the_host_tier():
+    """After the prompt, ``reselect`` ranks device and host blocks alike by the largest share any one head gives a
+    block: a record that one head looks up comes back from the host tier, though the heads that spread their
+    attention over other blocks outweigh it in a summed score (what ``recall`` ranks by)."""
+    needle, ramp = 2, torch.tensor([0, 0, 0, 1, 1.5, 2, 2.5, 3, 0, 0])  # every head but one prefers later blocks
+    mgr, pool, host, kv, q = _needle_scene(ramp)
+    assert kv.table.entries[needle] == ON_HOST
 
     candidates = list(range(1, 8))  # between the sink block and the recent window
     share = torch.zeros(L, KVH, len(candidates))
@@ -208,37 +222,12 @@ def test_the_prompts_last_query_reselects_a_block_one_head_looks_up_from_the_hos
     assert pool.num_used == 0 and len(host) == 0
 
 
-def _needle_scene(**policy_kw):
-    """Ten blocks of four tokens: block 0 holds the sinks, 8-9 the recent window; layer 1, KV head 1 of the query
-    looks block 2 up, every other head mildly prefers blocks 5, 6, 7 in that order. The chunks' votes (records) rank
-    block 2 last and later blocks higher, and a contraction to 24 tokens has sent 1-4 to the host tier."""
-    policy = CachePolicy(controller="dynamic", base_size=16, max_size=64, min_recent=8, sink_tokens=4, **policy_kw)
-    mgr, pool, _host = _manager(policy)
-    kv = mgr.open(0, make_controller(policy), 64)
-    _fill(pool, mgr, kv, 40)
-    ramp = torch.tensor([0, 0, 0, 1, 1.5, 3, 2.5, 2, 0, 0])
-    for pos in range(40):
-        slot = kv.table.slot(pos)
-        pool.k[:, slot] = 0.0
-        pool.k[:, slot, :, 0] = ramp[pos // BS]
-        if pos // BS == 2:
-            pool.k[1, slot, 1, 1] = 4.0
-        pool.score[slot] = 0.0 if pos // BS == 2 else 1.0 + pos
-    mgr.evict_to(kv, 24)
-    assert [i for i in range(1, 8) if kv.table.entries[i] >= 0] == [5, 6, 7]
-    q = torch.zeros(L, KVH, 1, D)
-    q[..., 0] = 4.0
-    q[1, 1, 0] = 0.0
-    q[1, 1, 0, 1] = 8.0
-    return mgr, kv, q
-
-
 @pytest.mark.parametrize("scorer", ["snapkv", "decayed", "h2o"])
 def test_a_reselected_block_is_not_the_next_contractions_first_victim(scorer: str) -> None:
     """A block the question brought back from the host tier carried the low record that had evicted it. The blocks
     the question picks are recorded above every resident block, in the order it ranked them, so a contraction right
     after evicts the block it ranked last, not the one it just brought back, whatever the scorer."""
-    mgr, kv, q = _needle_scene(scorer=scorer, reselect_share=1.0)
+    mgr, _pool, _host, kv, q = _needle_scene(LATE_RAMP, scorer=scorer, reselect_share=1.0)
     assert mgr.reselect(kv, q, 24.0) == 1
     assert [i for i in range(1, 8) if kv.table.entries[i] >= 0] == [2, 5, 6]  # the needle, then what others prefer
     mgr.evict_to(kv, 20)
@@ -249,7 +238,7 @@ def test_a_reselected_block_is_not_the_next_contractions_first_victim(scorer: st
 def test_reselect_share_leaves_the_rest_to_the_scorers_ranking() -> None:
     """``reselect_share``: the query picks that share of the blocks that fit (here one of three: the needle); the
     others are the resident blocks the chunks' votes rank highest (7, then 6), not the query's next choices (5, 6)."""
-    mgr, kv, q = _needle_scene(scorer="snapkv", reselect_share=0.33)
+    mgr, _pool, _host, kv, q = _needle_scene(LATE_RAMP, scorer="snapkv", reselect_share=0.33)
     assert mgr.reselect(kv, q, 24.0) == 1
     assert [i for i in range(1, 8) if kv.table.entries[i] >= 0] == [2, 6, 7]
     mgr.close(kv)

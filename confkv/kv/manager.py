@@ -433,15 +433,16 @@ class CacheManager:
         back = sorted([candidates[j] for j in picked if j >= len(resident)][:room])
         self.reselections += 1
         top = float(view.mass.max()) if resident else 0.0
-        record = {candidates[j]: self.pool.score.new_full((bs,), top + score[j] / bs) for j in picked}
+        record = {candidates[j]: top + score[j] / bs for j in picked}  # per token of each picked block
         stay = [j for j in picked if j < len(resident)]
         if stay:
-            self.pool.score[self.pool.slots_of(ids[stay])] = torch.cat([record[candidates[j]] for j in stay])
+            marks = torch.tensor([record[candidates[j]] for j in stay], dtype=self.pool.score.dtype)
+            self.pool.score[self.pool.slots_of(ids[stay])] = marks.repeat_interleave(bs).to(self.pool.device)
         taken = self.host.take(kv.seq_id, back) if back else None
         self._to_host(kv, evict)
         if taken is not None:
             k, v, _ = taken
-            self._to_device(kv, back, k, v, torch.stack([record[i] for i in back]))
+            self._to_device(kv, back, k, v, torch.tensor([record[i] for i in back])[:, None].expand(-1, bs))
         kv.stats.recalled_blocks += len(back)
         kv.stats.host_bytes = self.host.bytes_of(kv.seq_id)
         self.recalled_blocks += len(back)
