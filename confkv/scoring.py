@@ -6,8 +6,10 @@ on a CPU. The engine runs it (``LLMEngine.add_scored``): the context is read as 
 ``max_size``), then each chunk of the continuation attends over the resident blocks plus itself; the controller sees
 every token's signals in order, and between chunks the cache manager expands (recalling host blocks with the
 chunk's last query), contracts and evicts exactly as it does between decode steps, through the same code, so what a
-tuner trains on is what serving runs. What differs from decoding: a recall triggered inside a chunk takes effect
-from the next chunk, not for the token itself. This module only keeps what each chunk's rows say.
+tuner trains on is what serving runs. What differs from decoding: a recall set off inside a chunk takes effect
+from the next chunk, not for the token itself. Chunks of one token (``compact_interval: 1``) score exactly as
+decoding would: a recall is applied to the token that set it off, computed again. This module only keeps what each
+chunk's rows say.
 
 A scored item is ``token_ids`` with ``score_from``: token ``i >= score_from`` is scored by the distribution the
 model gives after reading tokens ``0 .. i-1``.
@@ -147,7 +149,7 @@ class ItemState:
     def add(self, **tensors: torch.Tensor) -> None:
         for key, value in tensors.items():
             self.rows.setdefault(key, []).append(value)
-            self.last[key] = value
+            self.last[key] = torch.cat((self.last[key], value)) if key in self.last else value
 
     def record(self, first: int, signals: Signals, resident: int, budgets: list[float]) -> None:
         """Called by the engine: rows predicting tokens ``first + 1 ...`` were computed over ``resident`` keys."""
@@ -156,7 +158,6 @@ class ItemState:
         targets = torch.tensor(ids[first + 1 : first + 1 + count], device=signals.logprobs.device)
         lp = signals.logprobs
         host = signals.stacked().cpu()
-        self.last = {}
         self.add(
             token_logprobs=lp.gather(-1, targets[:, None])[:, 0].cpu(),
             entropy=host[0],
@@ -281,20 +282,31 @@ class ScoringSession:
         scored rows, ``done`` once finished."""
         if not self._live:
             return []
+        stepped = [st for st in self._live.values() if only is None or st.index in only]
         for st in self._live.values():
             st.fresh = False
-            st.seq.paused = only is not None and st.index not in only
-        try:
-            self.scorer.engine.step()
-        finally:
-            for st in self._live.values():
-                st.seq.paused = False
+        for st in stepped:
+            st.last = {}
+        self._engine_step(stepped)
+        # a one-token chunk that set off a recall is not done until its second pass
+        while rerun := [st for st in stepped if st.seq.rerun and not st.seq.finished]:
+            self._engine_step(rerun)
         reported = [st for st in self._live.values() if st.fresh]
         for st in reported:
             if st.done:
                 del self._live[st.index]
                 self._results[st.index] = st.result(self.scorer.engine.pool.bytes_per_block)
         return reported
+
+    def _engine_step(self, stepped: list[ItemState]) -> None:
+        chosen = {st.index for st in stepped}
+        for st in self._live.values():
+            st.seq.paused = st.index not in chosen
+        try:
+            self.scorer.engine.step()
+        finally:
+            for st in self._live.values():
+                st.seq.paused = False
 
     def close(self) -> None:
         """Free the blocks of items still in flight (an abandoned episode must not leak the pool)."""

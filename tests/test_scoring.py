@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from confkv import LLM
+from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
 from confkv.scoring import ScoreItem, Scorer, TopK, kl_from_topk
 
@@ -86,3 +87,44 @@ def test_bad_items():
         ScoreItem([1, 2, 3], score_from=3)
     with pytest.raises(ConfkvError, match="two tokens"):
         ScoreItem([1])
+
+
+def _forced_decode_policy(tiny, **kw):
+    """Tiny-random's entropy sits near 4 nats; a threshold at its median makes about half the steps expand."""
+    return LLM("tiny-random", "dynamic", loaded=tiny, base_size=32, max_size=128, min_recent=16, sink_tokens=4,
+               scaling_factor=0.5, entropy_threshold=4.0358, max_num_batched_tokens=64, kv_cache_memory="8MiB",
+               **kw)  # fmt: skip
+
+
+def test_scoring_in_chunks_of_one_token_is_decoding_with_the_text_forced(tiny):
+    """A recall set off by a scored row is applied to that row, computed again, as decode applies it to its token:
+    scored one token at a time, the model's own greedy text gets exactly decode's log-probabilities, resident keys
+    and recomputations (before, the recall waited for the next chunk: 0 reruns and log-probabilities 5 nats apart)."""
+    llm = _forced_decode_policy(tiny, compact_interval=1)
+    prompt = "Budgets move with confidence; the cache follows the budget. " * 4
+    out = llm.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True, logprobs=0))[0]
+    assert llm.engine.num_reruns >= 5 and out.kv["recalled_blocks"] > 0
+    scoring = _forced_decode_policy(tiny, compact_interval=1)
+    (r,) = Scorer(scoring.engine).score([ScoreItem(out.prompt_token_ids + out.token_ids, len(out.prompt_token_ids))])
+    assert scoring.engine.num_reruns == llm.engine.num_reruns
+    assert r.resident.tolist() == out.trace.resident
+    assert r.token_logprobs.tolist() == [t.logprob for t in out.logprobs]
+    assert scoring.engine.pool.num_used == 0
+
+
+def test_a_session_step_reports_each_one_token_chunk_after_its_second_pass_and_longer_chunks_are_not_recomputed(tiny):
+    """A session step reports one scored row per item even when the row is computed twice (an RL step observes
+    whole segments); in chunks of several tokens a recall takes effect from the next chunk, nothing is recomputed."""
+    ids = _forced_decode_policy(tiny).tokenizer("Budgets move with confidence; the cache follows the budget. " * 6)
+    ids, score_from = ids["input_ids"], 200
+    for chunk in (1, 4):
+        llm = _forced_decode_policy(tiny, compact_interval=chunk)
+        with Scorer(llm.engine).session() as session:
+            index = session.add(ScoreItem(ids, score_from))
+            sizes = []
+            while not session.finished:
+                sizes.extend(len(st.last["entropy"]) for st in session.step())
+            r = session.result(index)
+        assert r.num_tokens == len(ids) - score_from == sum(sizes) and set(sizes[1:-1]) == {chunk}
+        assert r.kv["recalled_blocks"] > 0
+        assert (llm.engine.num_reruns > 0) == (chunk == 1)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from confkv.confidence import confidence_signals
+from confkv.confidence import Signals, confidence_signals
 from confkv.config import CachePolicy, EngineConfig
 from confkv.controllers import Controller, StepSignals, make_controller
 from confkv.engine.allocator import keep_freed_memory
@@ -457,7 +457,7 @@ class LLMEngine:
             if not seq.finished:
                 computed = 0 if ch.rerun else ch.num_tokens
                 self.manager.after_step(seq.kv, seq.ctrl.budget, computed, seq.prompt_done, self._room(seq))
-                if seq.scored and seq.num_uncomputed == 0:
+                if seq.scored and seq.num_uncomputed == 0 and not seq.rerun:
                     seq.token_ids.extend(seq.next_forced_chunk())
         return outputs
 
@@ -473,14 +473,21 @@ class LLMEngine:
     def _score(self, ch: ScheduledChunk, res: ForwardResult, index: int) -> StepOutput:
         """Teacher-forced rows of one scored sequence: each row's distribution scores the next token of its text.
 
-        The controller sees every token's signals in order; an expansion takes effect at the chunk's end (recall
-        with the chunk's last query), contraction at the compaction tick, exactly as between decode steps. A
-        reselection at the prompt's end (``reselect_after_prompt``) likewise takes effect from the next chunk: the
-        text's first token is scored as the prompt left the cache, not recomputed.
+        The controller sees every token's signals in order; an expansion recalls with the chunk's last query,
+        contraction waits for the compaction tick, exactly as between decode steps. In a chunk of one token (as
+        ``compact_interval: 1`` gives) a recall is applied to that token as decode applies it: the row is computed
+        again with the recalled blocks and scored from the second pass, so scoring is decoding with the text forced.
+        In a longer chunk it takes effect from the next chunk (a decision at a chunk's end governs the next chunk,
+        as an RL environment's action does). A reselection at the prompt's end (``reselect_after_prompt``) takes
+        effect from the next chunk: the text's first token is scored as the prompt left the cache.
         """
         seq, kv = ch.seq, ch.seq.kv
         row0, count = res.spans[index]
         resident = res.resident[index]
+        if ch.rerun:  # the last row again, after the recall its first pass set off: its signals were counted then
+            seq.rerun = 0
+            last = confidence_signals(res.logits[row0 + count - 1 : row0 + count])
+            return self._record_scored(seq, ch.start + ch.num_tokens - 1, last, resident, [seq.ctrl.budget])
         first = ch.start + ch.num_tokens - count  # position of the first row with logits
         signals = confidence_signals(res.logits[row0 : row0 + count])
         host = signals.stacked().tolist()
@@ -491,15 +498,24 @@ class LLMEngine:
                             self.pool.usage)  # fmt: skip
             state = c.update(state, s)
             budgets.append(state.budget)
+        seq.ctrl = state
         if seq.seq_id in res.captured and self._reselects(ch):
             self.manager.reselect(kv, seq.last_query[0], state.budget)
-        elif c.evicts and state.budget > kv.budget and seq.prompt_done:
-            self._expand(seq, state.budget, res, recompute=False)
-        seq.ctrl = state
-        kv.stats.resident_sum += sum(resident - count + 1 + i for i in range(count))
-        kv.stats.resident_count += count
+        elif (c.evicts and state.budget > kv.budget and seq.prompt_done and self._expand(seq, state.budget, res)
+              and ch.num_tokens == 1):  # fmt: skip
+            self._defer(seq)  # the row waits for its second pass
+            return StepOutput(seq.request_id, [], finished=False)
+        return self._record_scored(seq, first, signals, resident, budgets)
+
+    def _record_scored(
+        self, seq: Sequence, first: int, signals: Signals, resident: int, budgets: list[float]
+    ) -> StepOutput:
+        """Hand scored rows (predicting tokens ``first + 1 ...``, the last over ``resident`` keys) to the recorder."""
+        count = len(budgets)
+        seq.kv.stats.resident_sum += sum(resident - count + 1 + i for i in range(count))
+        seq.kv.stats.resident_count += count
         seq.recorder.record(first, signals, resident, budgets)
-        done = seq.num_computed >= len(seq.forced) - 1
+        done = first + count >= len(seq.forced) - 1
         if done:
             self._finish(seq, "length")
         return StepOutput(seq.request_id, [], finished=done)
@@ -507,7 +523,7 @@ class LLMEngine:
     def _room(self, seq: Sequence) -> Callable[[], float]:
         return lambda: self.scheduler.expansion_room(seq)
 
-    def _expand(self, seq: Sequence, budget: float, res: ForwardResult | None, recompute: bool = True) -> bool:
+    def _expand(self, seq: Sequence, budget: float, res: ForwardResult | None) -> bool:
         """The controller's budget rose: raise the applied budget as far as memory allows and recall host blocks
         into it, scored with this step's query (or, between steps, the newest one kept). Returns whether blocks came
         back (so the step must be recomputed)."""
