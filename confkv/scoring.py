@@ -123,8 +123,8 @@ class ScoreResult:
 class ItemState:
     """One item in flight, and the recorder the engine hands each chunk's rows to.
 
-    ``last`` holds the rows of the most recent chunk (the segment an RL step observes); ``controller`` may be
-    replaced between steps, which is how an agent changes the knobs of one sequence.
+    ``last`` holds the rows of the latest session step, one chunk (the segment an RL step observes); ``controller``
+    may be replaced between steps, which is how an agent changes the knobs of one sequence.
     """
 
     index: int

@@ -1,4 +1,5 @@
-"""Teacher-forced scoring: exact under ``full``, KL zero against its own reference, bounded under eviction."""
+"""Teacher-forced scoring: exact under ``full``, KL zero against its own reference, bounded under eviction, and equal
+to decoding when read one token at a time."""
 
 from __future__ import annotations
 
