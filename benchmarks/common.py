@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -12,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from confkv.bench.suite import git_commit
+from confkv.bench.suite import Evaluator, build_workloads, git_commit, suite_spec
 from confkv.bench.workloads import render_chat
 from confkv.engine.engine import LLMEngine
 from confkv.model_loader import LoadedModel, load_model, resolve_device
@@ -58,6 +59,18 @@ def setup(args: argparse.Namespace) -> tuple[torch.device, dict]:
 
 def load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
     return load_model(args.model, device=device, dtype=args.dtype)
+
+
+def longgen_evaluator(
+    args: argparse.Namespace, loaded: LoadedModel, free_tokens: int | None = None, seed: int = 0
+) -> Evaluator:
+    """The standard suite's free long generation over ``args.items`` prompts of ``args.split`` (no references)."""
+    spec = suite_spec(args.model, "standard")
+    spec = dataclasses.replace(
+        spec, longgen={**spec.longgen, "n": args.items}, free_tokens=free_tokens or spec.free_tokens
+    )
+    workloads = build_workloads(loaded.tokenizer, spec, args.split, seed)
+    return Evaluator(loaded, args.model, spec, workloads, references={}, engine={"seed": seed})
 
 
 def chat_ids(loaded: LoadedModel, prompt: str) -> list[int]:

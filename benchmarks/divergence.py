@@ -14,14 +14,13 @@ any perturbation of the keys (evicting and recalling them, or another arithmetic
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 from pathlib import Path
 
-from common import load, parser, report, setup
+from common import load, longgen_evaluator, parser, report, setup
 
-from confkv.bench.suite import Evaluator, Usage, baseline_policy, build_workloads, matched_budget, suite_spec
+from confkv.bench.suite import Usage, baseline_policy, matched_budget
 from confkv.config import CachePolicy, load_policy_file
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import RequestOutput
@@ -42,12 +41,9 @@ def main() -> None:
     args = p.parse_args()
     device, env = setup(args)
     loaded = load(args, device)
-    spec = suite_spec(args.model, "standard")
-    spec = dataclasses.replace(spec, longgen={**spec.longgen, "n": args.items})
-    workloads = build_workloads(loaded.tokenizer, spec, args.split, 0)
-    items = workloads.longgen
-    ev = Evaluator(loaded, args.model, spec, workloads, references={}, engine={"seed": 0})
-    params = SamplingParams(max_tokens=spec.free_tokens, ignore_eos=True)
+    ev = longgen_evaluator(args, loaded)
+    items = ev.workloads.longgen
+    params = SamplingParams(max_tokens=ev.spec.free_tokens, ignore_eos=True)
 
     def run(policy: CachePolicy) -> list[RequestOutput]:
         llm = ev.llm(policy, max_batch_size=len(items))
@@ -55,9 +51,10 @@ def main() -> None:
 
     full = run(CachePolicy(controller="full"))
     variant = load_policy_file(args.policy_file)
-    runs = {Path(args.policy_file).stem: run(variant)}
+    name = Path(args.policy_file).stem
+    runs = {name: run(variant)}
     usage = Usage("decode")
-    for o in runs[Path(args.policy_file).stem]:
+    for o in runs[name]:
         usage.add_generated(o)
     budget = matched_budget([usage], usage.resident, variant)
     for b in args.baselines.split(","):
@@ -65,25 +62,25 @@ def main() -> None:
 
     result: dict = {**env, "policy_file": args.policy_file, "split": args.split, "items": args.items}
     rows = []
-    for name, outs in runs.items():
+    for key, outs in runs.items():
         firsts, near_ties, whole = [], 0, 0
         for i, (f, o) in enumerate(zip(full, outs, strict=True)):
             t = first_divergence(f, o)
             if t is None:
                 continue
             context = len(f.prompt_token_ids) + t
-            row = {"policy": name, "item": i, "token": t, "context": context, "resident": o.trace.resident[t],
+            row = {"policy": key, "item": i, "token": t, "context": context, "resident": o.trace.resident[t],
                    "expanded": o.trace.expanded[t], "gap_full": round(f.trace.gap[t], 4),
                    "gap_policy": round(o.trace.gap[t], 4)}  # fmt: skip
             rows.append(row)
             firsts.append(t)
             near_ties += f.trace.gap[t] < args.near_tie
             whole += o.trace.resident[t] >= 0.95 * context
-        result[f"{name}_first_divergence"] = " ".join(str(r["token"]) for r in rows if r["policy"] == name)
-        result[f"{name}_first_divergence_median"] = statistics.median(firsts) if firsts else None
-        result[f"{name}_diverged"] = f"{len(firsts)} / {len(items)}"
-        result[f"{name}_at_near_ties"] = f"{near_ties} / {len(firsts)}"
-        result[f"{name}_with_95pct_resident"] = f"{whole} / {len(firsts)}"
+        result[f"{key}_first_divergence"] = " ".join(str(r["token"]) for r in rows if r["policy"] == key)
+        result[f"{key}_first_divergence_median"] = statistics.median(firsts) if firsts else None
+        result[f"{key}_diverged"] = f"{len(firsts)} / {len(items)}"
+        result[f"{key}_at_near_ties"] = f"{near_ties} / {len(firsts)}"
+        result[f"{key}_with_95pct_resident"] = f"{whole} / {len(firsts)}"
     report(args, result)
     for row in rows:
         print(json.dumps(row))

@@ -15,14 +15,13 @@ on (they were chosen on the held-out teacher-forced items).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
 
-from common import load, parser, report, setup
+from common import load, longgen_evaluator, parser, report, setup
 
-from confkv.bench.suite import Evaluator, baseline_policy, build_workloads, matched_budget, suite_spec
+from confkv.bench.suite import baseline_policy, matched_budget
 from confkv.bench.textmetrics import bleu4
 from confkv.config import CachePolicy, load_policy_file
 
@@ -39,12 +38,7 @@ def main() -> None:
     args = p.parse_args()
     device, env = setup(args)
     loaded = load(args, device)
-    spec = suite_spec(args.model, "standard")
-    spec = dataclasses.replace(
-        spec, longgen={**spec.longgen, "n": args.items}, free_tokens=args.max_tokens or spec.free_tokens
-    )
-    workloads = build_workloads(loaded.tokenizer, spec, args.split, args.seed)
-    ev = Evaluator(loaded, args.model, spec, workloads, references={}, engine={"seed": args.seed})
+    ev = longgen_evaluator(args, loaded, args.max_tokens, args.seed)
     variant = load_policy_file(args.policy_file)
     name = Path(args.policy_file).stem
 
@@ -60,7 +54,8 @@ def main() -> None:
         runs[f"{b}@{budget}"] = (out_b, usage_b.fraction_mean or 0.0)
 
     result: dict = {**env, "policy_file": args.policy_file, "split": args.split, "items": args.items,
-                    "tokens_per_answer": spec.free_tokens, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+                    "tokens_per_answer": ev.spec.free_tokens,
+                    "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
     per_item = {k: [bleu4([t], [r]) for t, r in zip(o["texts"], refs, strict=True)] for k, (o, _) in runs.items()}
     for key, (o, kv) in runs.items():
         result[f"{key}_kv_fraction"] = round(kv, 4)
