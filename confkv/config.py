@@ -88,6 +88,11 @@ class CachePolicy(BaseModel):
         "controller's own (dynamic: snapkv)",
     )
     recompute_tokens: int = Field(1, ge=1, description="trailing tokens recomputed after a recall (dynamic)")
+    recompute: Literal["last", "stale"] = Field(
+        "last",
+        description="what a recall recomputes: the last recompute_tokens tokens, or every generated token computed "
+        "over a trimmed context since the last recomputation (up to min_recent)",
+    )
     learned_path: str | None = Field(None, description="exported policy folder (controller 'learned')")
 
     @model_validator(mode="before")

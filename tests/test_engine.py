@@ -13,7 +13,7 @@ from confkv import LLM, CachePolicy, SamplingParams
 from confkv.errors import ConfkvError
 from confkv.scoring import ScoreItem, Scorer
 
-from .conftest import fresh_tiny, hf_greedy
+from .conftest import fresh_tiny, hf_greedy, hf_logprobs
 
 PROMPTS = [
     "Hi",
@@ -278,3 +278,33 @@ def test_a_recall_recomputes_in_the_next_steps_batch_with_the_outputs_of_a_pass_
     expected = RERUN["cases"][case]
     assert passes == steps and silent == expected["reruns"] == engine.num_reruns
     assert [done[str(i)] for i in range(len(RERUN["prompts"]))] == expected["tokens"]
+
+
+def _peeks_against_full(tiny, tiny_reference, recompute: str) -> tuple[torch.Tensor, int, int]:
+    """Greedy decode under a per-token ``dynamic`` rule whose peeks bring the whole context back; returns, at each
+    token chosen after such a peek, its log-probability minus the one Hugging Face's forward gives over the same
+    text, and the engine's rerun count and recomputed tokens."""
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, base_size=32, max_size=256, min_recent=32, sink_tokens=4,
+              scaling_factor=0.001, entropy_threshold=4.0358, compact_interval=1, recompute=recompute,
+              kv_cache_memory="8MiB")  # fmt: skip
+    out = llm.generate("Budgets move with confidence; the cache follows the budget. " * 2,
+                       SamplingParams(max_tokens=64, ignore_eos=True, logprobs=0))[0]  # fmt: skip
+    n = len(out.prompt_token_ids)
+    full = hf_logprobs(tiny_reference, out.prompt_token_ids + out.token_ids)[n - 1 :]
+    chosen = torch.tensor([t.logprob for t in out.logprobs])
+    tr = out.trace
+    peeks = [i for i, e in enumerate(tr.expanded) if e and tr.resident[i] == n + i]
+    assert len(peeks) >= 5 and out.kv["evicted_blocks"] > 0
+    return (chosen - full)[peeks], llm.engine.num_reruns, llm.engine.rerun_tokens
+
+
+def test_recomputing_stale_tokens_makes_a_whole_context_peek_exactly_full(tiny, tiny_reference):
+    """Tokens generated while the context was trimmed keep keys and values computed without it. A peek that brings
+    the whole context back and recomputes only the uncertain token still differs from ``full`` there; recomputing
+    every token computed over a trimmed context since the last peek (``recompute: stale``) gives full's distribution
+    at every such token."""
+    stale, reruns, recomputed = _peeks_against_full(tiny, tiny_reference, "stale")
+    torch.testing.assert_close(stale, torch.zeros_like(stale), atol=1e-4, rtol=0)
+    assert recomputed > reruns  # more than the uncertain token alone
+    last, reruns, recomputed = _peeks_against_full(tiny, tiny_reference, "last")
+    assert recomputed == reruns and last.abs().max() > 1e-3

@@ -441,6 +441,7 @@ class LLMEngine:
     def _process(self, chunks: list[ScheduledChunk], res: ForwardResult) -> list[StepOutput]:
         self.runner.commit(res)
         for ch, resident in zip(chunks, res.resident, strict=True):
+            self._note_stale(ch, resident)
             if ch.rerun:
                 continue
             ch.seq.num_computed += ch.num_tokens
@@ -460,6 +461,16 @@ class LLMEngine:
                 if seq.scored and seq.num_uncomputed == 0 and not seq.rerun:
                     seq.token_ids.extend(seq.next_forced_chunk())
         return outputs
+
+    @staticmethod
+    def _note_stale(ch: ScheduledChunk, resident: int) -> None:
+        """Track which generated tokens were computed over a trimmed context, for ``recompute: stale``. A rerun
+        counts as a fresh computation: it saw what the recall brought back, the most the policy gives."""
+        seq = ch.seq
+        if ch.rerun:
+            seq.stale_from = None
+        elif seq.stale_from is None and ch.start >= seq.num_prompt_tokens and resident < ch.start + ch.num_tokens:
+            seq.stale_from = ch.start
 
     def _keep_queries(self, res: ForwardResult) -> None:
         """Remember each capturing sequence's newest query and log-sum-exp (for a recall between steps)."""
@@ -570,9 +581,14 @@ class LLMEngine:
 
     def _defer(self, seq: Sequence) -> None:
         """Blocks came back: the token is chosen next step, from this one recomputed with them (only tokens of the
-        protected recent window are sure to be resident)."""
+        protected recent window are sure to be resident). Under ``recompute: stale`` every token computed over a
+        trimmed context since the last recomputation is computed again too: a near-tie is decided by those tokens'
+        keys and values as much as by which older blocks are resident (BENCHMARKS.md, "Stale keys")."""
         c = seq.kv.controller
-        seq.rerun = min(c.policy.recompute_tokens, max(1, c.protected_recent), seq.num_computed)
+        n = c.policy.recompute_tokens
+        if c.policy.recompute == "stale" and seq.stale_from is not None:
+            n = max(n, seq.num_computed - seq.stale_from)
+        seq.rerun = min(n, max(1, c.protected_recent), seq.num_computed)
         self.num_reruns += 1
         self.rerun_tokens += seq.rerun
 

@@ -155,6 +155,7 @@ class Scheduler:
         self.manager.reset(seq.kv)
         seq.num_computed = 0
         seq.rerun = 0
+        seq.stale_from = None
         if seq.scored:  # scoring restarts from its prompt: rows recorded so far would be recorded twice
             seq.token_ids = list(seq.prompt_token_ids)
             seq.ctrl = seq.controller.init_state()

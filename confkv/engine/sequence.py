@@ -74,6 +74,9 @@ class Sequence:
     #: Trailing computed tokens to compute again, with the blocks a recall just brought back, before the next token
     #: is chosen: done as a row of the next step's batch rather than a forward pass of its own.
     rerun: int = 0
+    #: The first generated token computed over a trimmed context since the last recomputation (``recompute:
+    #: stale``): its keys and values, and those of every token after it, differ from what the whole context gives.
+    stale_from: int | None = None
     #: Sessions: the conversation this request continues, the prompt tokens whose KV it reused, and whether it is
     #: waiting for its record to come back from object storage (and how long that took).
     session_id: str | None = None
