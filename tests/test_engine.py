@@ -308,3 +308,14 @@ def test_recomputing_stale_tokens_makes_a_whole_context_peek_exactly_full(tiny, 
     assert recomputed > reruns  # more than the uncertain token alone
     last, reruns, recomputed = _peeks_against_full(tiny, tiny_reference, "last")
     assert recomputed == reruns and last.abs().max() > 1e-3
+
+
+def test_a_second_pass_longer_than_a_step_is_cut_to_fit_it(tiny):
+    """A rerun is scheduled whole or not at all: one longer than ``max_num_batched_tokens`` would never run."""
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, base_size=32, max_size=256, min_recent=64, sink_tokens=4,
+              scaling_factor=0.001, entropy_threshold=4.0358, compact_interval=1, recompute_tokens=64,
+              max_num_batched_tokens=16, kv_cache_memory="8MiB")  # fmt: skip
+    out = llm.generate("Budgets move with confidence; the cache follows the budget. " * 2,
+                       SamplingParams(max_tokens=32, ignore_eos=True))[0]  # fmt: skip
+    assert len(out.token_ids) == 32 and llm.engine.num_reruns > 0
+    assert llm.engine.rerun_tokens <= 16 * llm.engine.num_reruns

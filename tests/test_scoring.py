@@ -97,17 +97,21 @@ def _forced_decode_policy(tiny, **kw):
                **kw)  # fmt: skip
 
 
-def test_scoring_in_chunks_of_one_token_is_decoding_with_the_text_forced(tiny):
+@pytest.mark.parametrize("recompute", ["last", "stale"])
+def test_scoring_in_chunks_of_one_token_is_decoding_with_the_text_forced(tiny, recompute):
     """A recall set off by a scored row is applied to that row, computed again, as decode applies it to its token:
     scored one token at a time, the model's own greedy text gets exactly decode's log-probabilities, resident keys
-    and recomputations (before, the recall waited for the next chunk: 0 reruns and log-probabilities 5 nats apart)."""
-    llm = _forced_decode_policy(tiny, compact_interval=1)
+    and recomputations (before, the recall waited for the next chunk: 0 reruns and log-probabilities 5 nats apart).
+    Under ``recompute: stale`` the second pass covers several rows, and only its last one is scored."""
+    llm = _forced_decode_policy(tiny, compact_interval=1, recompute=recompute)
     prompt = "Budgets move with confidence; the cache follows the budget. " * 4
     out = llm.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True, logprobs=0))[0]
     assert llm.engine.num_reruns >= 5 and out.kv["recalled_blocks"] > 0
-    scoring = _forced_decode_policy(tiny, compact_interval=1)
+    assert (llm.engine.rerun_tokens > llm.engine.num_reruns) == (recompute == "stale")
+    scoring = _forced_decode_policy(tiny, compact_interval=1, recompute=recompute)
     (r,) = Scorer(scoring.engine).score([ScoreItem(out.prompt_token_ids + out.token_ids, len(out.prompt_token_ids))])
     assert scoring.engine.num_reruns == llm.engine.num_reruns
+    assert scoring.engine.rerun_tokens == llm.engine.rerun_tokens
     assert r.resident.tolist() == out.trace.resident
     assert r.token_logprobs.tolist() == [t.logprob for t in out.logprobs]
     assert scoring.engine.pool.num_used == 0

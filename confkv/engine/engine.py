@@ -581,14 +581,15 @@ class LLMEngine:
 
     def _defer(self, seq: Sequence) -> None:
         """Blocks came back: the token is chosen next step, from this one recomputed with them (only tokens of the
-        protected recent window are sure to be resident). Under ``recompute: stale`` every token computed over a
-        trimmed context since the last recomputation is computed again too: a near-tie is decided by those tokens'
-        keys and values as much as by which older blocks are resident (BENCHMARKS.md, "Stale keys")."""
+        protected recent window are sure to be resident, and the second pass must fit in one step). Under
+        ``recompute: stale`` every token computed over a trimmed context since the last recomputation is computed
+        again too: a near-tie is decided by those tokens' keys and values as much as by which older blocks are
+        resident (BENCHMARKS.md, "Stale keys")."""
         c = seq.kv.controller
         n = c.policy.recompute_tokens
         if c.policy.recompute == "stale" and seq.stale_from is not None:
             n = max(n, seq.num_computed - seq.stale_from)
-        seq.rerun = min(n, max(1, c.protected_recent), seq.num_computed)
+        seq.rerun = min(n, max(1, c.protected_recent), seq.num_computed, self.scheduler.max_num_batched_tokens)
         self.num_reruns += 1
         self.rerun_tokens += seq.rerun
 
