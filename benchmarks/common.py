@@ -41,6 +41,14 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def variant_args(p: argparse.ArgumentParser, *, items: int, split: str, baselines: str) -> None:
+    """Arguments of the scripts that run one policy file against fixed baselines matched to its memory."""
+    p.add_argument("--policy-file", required=True, help="the variant (a dynamic or learned policy)")
+    p.add_argument("--items", type=int, default=items)
+    p.add_argument("--split", choices=("train", "heldout"), default=split)
+    p.add_argument("--baselines", default=baselines)
+
+
 def setup(args: argparse.Namespace) -> tuple[torch.device, dict]:
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from common import load, longgen_evaluator, parser, report, setup
+from common import load, longgen_evaluator, parser, report, setup, variant_args
 
 from confkv.bench.suite import Usage, baseline_policy, matched_budget
 from confkv.config import CachePolicy, load_policy_file
@@ -32,10 +32,7 @@ def first_divergence(full: RequestOutput, out: RequestOutput) -> int | None:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--policy-file", required=True, help="the variant (a dynamic or learned policy)")
-    p.add_argument("--items", type=int, default=8)
-    p.add_argument("--split", choices=("train", "heldout"), default="heldout")
-    p.add_argument("--baselines", default="snapkv,streaming")
+    variant_args(p, items=8, split="heldout", baselines="snapkv,streaming")
     p.add_argument("--near-tie", type=float, default=0.05, help="full's gap below which a divergence is a near-tie")
     p.add_argument("--out", default=None, help="also write every row to this JSON file")
     args = p.parse_args()

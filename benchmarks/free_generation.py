@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from common import load, longgen_evaluator, parser, report, setup
+from common import load, longgen_evaluator, parser, report, setup, variant_args
 
 from confkv.bench.suite import baseline_policy, matched_budget
 from confkv.bench.textmetrics import bleu4
@@ -28,10 +28,7 @@ from confkv.config import CachePolicy, load_policy_file
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--policy-file", required=True, help="the variant (a dynamic or learned policy)")
-    p.add_argument("--items", type=int, default=12)
-    p.add_argument("--split", choices=("train", "heldout"), default="train")
-    p.add_argument("--baselines", default="snapkv,h2o,streaming")
+    variant_args(p, items=12, split="train", baselines="snapkv,h2o,streaming")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default: the standard suite's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write every number, and the texts, to this JSON file")
