@@ -140,6 +140,11 @@ def share_unsure(counts: Counter[tuple[bool, bool]]) -> float:
     return sum(v for (_, cur), v in counts.items() if cur) / total if total else 0.0
 
 
+def ppl_text(m: dict[str, Any]) -> str:
+    """Prose's perplexity over full's, where the workload has one: KL ranks the rows, perplexity can disagree."""
+    return f"  ppl {100 * m['ppl_delta']:+.2f}%" if "ppl_delta" in m else ""
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -151,6 +156,8 @@ def main() -> None:
     p.add_argument("--no-placebo", action="store_true", help="leave the placebo run out")
     p.add_argument("--match", default="snapkv", help="fixed policies matched to each run's memory (comma-separated)")
     p.add_argument("--policy-file", default=None, help="a dynamic policy (YAML) in place of the suite's scaled default")
+    p.add_argument("--split", default="heldout", choices=["heldout", "train"],
+                   help="which items: tune on train, report on heldout")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
     spec = suite_spec(args.model, "standard")
@@ -158,12 +165,12 @@ def main() -> None:
               for name in ("prose", "longgen", "chat")}  # fmt: skip
     spec = dataclasses.replace(spec, **shrink)
     t0 = time.perf_counter()
-    ev = Evaluator.prepare(args.model, spec, progress=sys.stderr.isatty())
+    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     base = load_policy_file(args.policy_file) if args.policy_file else scaled_dynamic(spec.scale)
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    result: dict[str, Any] = {"model": args.model, "items": args.items, "base": base.model_dump(mode="json"),
-                              "workloads": {}}  # fmt: skip
+    result: dict[str, Any] = {"model": args.model, "items": args.items, "split": args.split,
+                              "base": base.model_dump(mode="json"), "workloads": {}}  # fmt: skip
     for workload in (w for w in args.workloads.split(",") if w):
         t1 = time.perf_counter()
         sweep = []
@@ -186,12 +193,14 @@ def main() -> None:
         for name, (m, u, c) in runs.items():
             budget = matched_budget([u], u.resident, base)
             entry[name] = {"kv": u.fraction_mean, "kl": m["kl"], "share_unsure": share_unsure(c), "matched": {}}
-            line = f"{workload:>8} {name:<8} kv {100 * u.fraction_mean:5.1f}%  kl {m['kl']:.4f}  unsure "
+            entry[name].update({"ppl_delta": m["ppl_delta"]} if "ppl_delta" in m else {})
+            line = f"{workload:>8} {name:<8} kv {100 * u.fraction_mean:5.1f}%  kl {m['kl']:.4f}{ppl_text(m)}  unsure "
             line += f"{100 * share_unsure(c):4.1f}%"
             for fixed in args.match.split(","):
                 bm, bu = measure(ev, baseline_policy(base, fixed, budget), workload)
                 entry[name]["matched"][fixed] = {"budget": budget, "kv": bu.fraction_mean, "kl": bm["kl"]}
-                line += f" | {fixed}@{budget} kv {100 * bu.fraction_mean:5.1f}%  kl {bm['kl']:.4f}"
+                entry[name]["matched"][fixed].update({"ppl_delta": bm["ppl_delta"]} if "ppl_delta" in bm else {})
+                line += f" | {fixed}@{budget} kv {100 * bu.fraction_mean:5.1f}%  kl {bm['kl']:.4f}{ppl_text(bm)}"
             print(line, flush=True)
         entry["seconds"] = time.perf_counter() - t1
         result["workloads"][workload] = entry
