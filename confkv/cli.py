@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", required=True, help="output folder")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
+        "--split", choices=["heldout", "train"], default="heldout",
+        help="quick/standard: which items (train: the tuner's; check that a policy chosen on held-out items was not "
+        "fitted to them)",
+    )  # fmt: skip
+    bench.add_argument(
         "--scenarios", default="burst,poisson", help="throughput suite: burst (all at start) and/or poisson arrivals"
     )
     bench.add_argument("--arrival-rate", type=float, default=None, help="throughput suite: poisson requests/s")
@@ -294,6 +299,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
+        split=args.split,
         progress=sys.stderr.isatty(),
         log=lambda line: print(line, file=sys.stderr),
     )

@@ -40,6 +40,21 @@ def test_bench_quick_tiny_writes_everything(tmp_path, capsys):
     assert "dynamic" in (out / "report.md").read_text()
 
 
+def test_bench_split_train_measures_the_tuners_items(tmp_path, capsys):
+    """``--split train`` scores other text than the default held-out items, and says so in the results."""
+    ppl = {}
+    for split in ("heldout", "train"):
+        out = tmp_path / split
+        args = ["bench", "--model", "tiny-random", "--suite", "quick", "--policies", "full", "--out", str(out)]
+        assert main([*args, *(["--split", split] if split == "train" else [])]) == 0
+        capsys.readouterr()
+        results = json.loads((out / "results.json").read_text())
+        assert results["settings"]["split"] == split
+        ppl[split] = results["policies"]["full"]["ppl"]
+    assert ppl["train"] != ppl["heldout"]
+    assert "train items" in (tmp_path / "train" / "report.md").read_text()
+
+
 def test_scaled_defaults():
     p = scaled_dynamic(0.125)
     assert (p.base_size, p.max_size, p.min_recent) == (128, 512, 64)

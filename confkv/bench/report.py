@@ -456,9 +456,15 @@ _HOW_TO_READ = (
 )
 
 
+def _split_words(results: dict[str, Any]) -> str:
+    """Held-out items are the default; a run on the tuner's items says so where a reader looks first."""
+    split = (results.get("settings") or {}).get("split")
+    return f", {split} items" if split and split != "heldout" else ""
+
+
 def _report_md(results: dict[str, Any], plots: dict[str, Path]) -> str:
     parts = [
-        f"# confkv benchmark: {results.get('model', '?')}, suite {results.get('suite', '?')}\n",
+        f"# confkv benchmark: {results.get('model', '?')}, suite {results.get('suite', '?')}{_split_words(results)}\n",
         f"Commit `{results.get('commit') or 'n/a'}`, created {results.get('created') or 'n/a'}.\n",
         run_time_line(results),
         "## Settings\n",

@@ -630,6 +630,7 @@ def run_suite(
     cache_dir: str | None = None,
     kv_cache_memory: int | str | None = None,
     seed: int = 0,
+    split: str = "heldout",
     spec: SuiteSpec | None = None,
     progress: bool = False,
     log: Callable[[str], None] = print,
@@ -645,7 +646,7 @@ def run_suite(
         log(f"estimated run time on a 2-core CPU: {est['low'] / 60:.0f}-{est['high'] / 60:.0f} min")
     t_start = time.perf_counter()
     ev = Evaluator.prepare(model, spec, device=device, dtype=dtype, cache_dir=cache_dir,
-                           kv_cache_memory=kv_cache_memory, seed=seed, progress=progress)  # fmt: skip
+                           kv_cache_memory=kv_cache_memory, seed=seed, split=split, progress=progress)  # fmt: skip
     t_refs = time.perf_counter() - t_start
     log(f"references ready ({t_refs:.0f}s)")
     full_gen = ev.generate_long(CachePolicy(controller="full"), None)
@@ -701,7 +702,7 @@ def run_suite(
                 "free_tokens": spec.free_tokens,
                 "batch": spec.batch,
             },
-            "split": "heldout",
+            "split": split,
             "seconds": round(seconds, 1),
             "seconds_references": round(t_refs, 1),
             "seconds_per_policy": {name: round(run.entry["seconds"], 1) for name, run in runs.items()},
