@@ -26,6 +26,7 @@ from pathlib import Path
 from common import load, longgen_evaluator, parser, report, setup, variant_args
 
 from confkv.bench.suite import Usage, baseline_policy, matched_budget
+from confkv.bench.textmetrics import rouge_l
 from confkv.bench.throughput import ThroughputSpec, make_requests
 from confkv.config import CachePolicy, load_policy_file
 from confkv.engine.params import SamplingParams
@@ -42,6 +43,11 @@ def main() -> None:
     p.add_argument(
         "--workload", choices=("longgen", "throughput"), default="longgen",
         help="the standard suite's free long generations, or the throughput suite's requests (held-out)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="tokens per engine step (default the engine's, 512): a prompt no longer than this is read in one chunk, "
+        "so no part of it is computed over a trimmed context",
     )  # fmt: skip
     p.add_argument("--near-tie", type=float, default=0.05, help="full's gap below which a divergence is a near-tie")
     p.add_argument("--out", default=None, help="also write every row to this JSON file")
@@ -61,7 +67,8 @@ def main() -> None:
         params = SamplingParams(max_tokens=ev.spec.free_tokens, ignore_eos=True)
 
     def run(policy: CachePolicy) -> list[RequestOutput]:
-        return ev.llm(policy, max_batch_size=len(prompts)).generate(prompts, params, use_tqdm=False)
+        step = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+        return ev.llm(policy, max_batch_size=len(prompts), **step).generate(prompts, params, use_tqdm=False)
 
     full = run(CachePolicy(controller="full"))
     variant = load_policy_file(args.policy_file)
@@ -75,7 +82,8 @@ def main() -> None:
         runs[f"{b}@{budget}"] = run(baseline_policy(variant, b, budget))
 
     result: dict = {**env, "policy_file": args.policy_file, "workload": args.workload, "split": args.split,
-                    "items": args.items}  # fmt: skip
+                    "items": args.items, "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
+    text = lambda outs: [loaded.tokenizer.decode(o.token_ids) for o in outs]  # noqa: E731
     rows = []
     for key, outs in runs.items():
         firsts, near_ties, whole, shares = [], 0, 0, []
@@ -98,6 +106,7 @@ def main() -> None:
             f"{r['token']}/{len(full[r['item']].token_ids)}" for r in rows if r["policy"] == key
         )
         result[f"{key}_diverged"] = f"{len(firsts)} / {len(prompts)}"
+        result[f"{key}_rougeL_vs_full"] = round(rouge_l(text(outs), text(full)), 3)
         result[f"{key}_at_near_ties"] = f"{near_ties} / {len(firsts)}"
         result[f"{key}_with_95pct_resident"] = f"{whole} / {len(firsts)}"
         result[f"{key}_resident_share_median"] = round(statistics.median(shares), 3) if shares else None
