@@ -3,11 +3,15 @@ baselines re-matched to that variant's own mean resident memory, workload by wor
 
     python benchmarks/dynamic_ablation.py --suite standard --items 2 --variants default,recency,tova
     python benchmarks/dynamic_ablation.py --list
+    python benchmarks/dynamic_ablation.py --workloads multikey --items 12 --split train --variants "" \
+        --policy-file docs/bench/policies/dynamic-256-384-decayed-r75-d98-reselect25-stale.yaml
 
 Teacher-forced workloads (prose, long generation, chat) report the mean KL to the full cache per token; retrieval
 (``--retrieval``: pass-key, multi-key) reports accuracy. For every (variant, workload) the baselines get the budget
 whose predicted mean resident memory equals the variant's measured one (``confkv.bench.suite.matched_budget``), so
 the table reads "at this memory, who loses less". The full-cache references are cached under ``$CONFKV_CACHE``.
+A ``--policy-file`` variant gets baselines that take the file's other keys, as ``confkv bench`` matches them.
+Multi-key retrieval may run more items than the suite's four (``--items``), since one answer is 25% there.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from confkv.bench.suite import (
@@ -26,7 +31,7 @@ from confkv.bench.suite import (
     scaled_dynamic,
     suite_spec,
 )
-from confkv.config import CachePolicy
+from confkv.config import CachePolicy, load_policy_file
 
 #: Each variant: policy keys changed from the requirement's dynamic defaults scaled to the suite.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -66,6 +71,8 @@ def main() -> None:
     p.add_argument("--workloads", default=",".join(TEACHER_FORCED))
     p.add_argument("--retrieval", action="store_true", help="also pass-key and multi-key accuracy")
     p.add_argument("--baselines", default=",".join(BASELINES))
+    p.add_argument("--policy-file", action="append", default=[], help="also a dynamic policy (YAML) as a variant")
+    p.add_argument("--split", choices=("heldout", "train"), default="heldout")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.add_argument("--list", action="store_true")
     args = p.parse_args()
@@ -75,34 +82,34 @@ def main() -> None:
         return
     spec = suite_spec(args.model, args.suite)
     shrink = {name: {**getattr(spec, name), "n": min(args.items, getattr(spec, name)["n"])}
-              for name in ("prose", "longgen", "chat", "multikey")}  # fmt: skip
-    spec = dataclasses.replace(spec, **shrink)
+              for name in ("prose", "longgen", "chat")}  # fmt: skip
+    spec = dataclasses.replace(spec, **shrink, multikey={**spec.multikey, "n": args.items})
     t0 = time.perf_counter()
-    ev = Evaluator.prepare(args.model, spec, progress=sys.stderr.isatty())
+    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     base = scaled_dynamic(spec.scale)
     workloads = [w for w in args.workloads.split(",") if w]
     if args.retrieval:
         workloads += ["passkey", "multikey"]
     rows = []
-    for vspec in args.variants.split(","):
-        name, changes = parse_variant(vspec)
-        policy = base.replace(**changes)
+    variants = [(n, base.replace(**c), base) for n, c in map(parse_variant, filter(None, args.variants.split(",")))]
+    variants += [(Path(f).stem, load_policy_file(f), load_policy_file(f)) for f in args.policy_file]
+    for name, policy, matched_from in variants:
         for workload in workloads:
             t1 = time.perf_counter()
             metrics, usage = measure(ev, policy, workload)
             row = {"variant": name, "workload": workload, "kv": usage.fraction_mean, **metrics, "baselines": {}}
             for b in (x for x in args.baselines.split(",") if x):
-                budget = matched_budget([usage], usage.resident, base)
-                bm, busage = measure(ev, baseline_policy(base, b, budget), workload)
+                budget = matched_budget([usage], usage.resident, matched_from)
+                bm, busage = measure(ev, baseline_policy(matched_from, b, budget), workload)
                 row["baselines"][b] = {"budget": budget, "kv": busage.fraction_mean, **bm}
             row["seconds"] = time.perf_counter() - t1
             rows.append(row)
             print(format_row(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "suite": args.suite, "items": args.items, "base": base.model_dump(
-                mode="json"), "rows": rows}, f, indent=1)  # fmt: skip
+            json.dump({"model": args.model, "suite": args.suite, "items": args.items, "split": args.split,
+                       "base": base.model_dump(mode="json"), "rows": rows}, f, indent=1)  # fmt: skip
 
 
 def measure(ev: Evaluator, policy: CachePolicy, workload: str) -> tuple[dict[str, Any], Any]:
