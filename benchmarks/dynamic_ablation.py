@@ -93,7 +93,7 @@ def main() -> None:
         workloads += ["passkey", "multikey"]
     rows = []
     variants = [(n, base.replace(**c), base) for n, c in map(parse_variant, filter(None, args.variants.split(",")))]
-    variants += [(Path(f).stem, load_policy_file(f), load_policy_file(f)) for f in args.policy_file]
+    variants += [(Path(f).stem, p, p) for f, p in ((f, load_policy_file(f)) for f in args.policy_file)]
     for name, policy, matched_from in variants:
         for workload in workloads:
             t1 = time.perf_counter()
