@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from common import shrunk_spec, split_arg
 from dynamic_ablation import measure
 
 from confkv.bench.suite import Evaluator, Usage, baseline_policy, matched_budget, scaled_dynamic, suite_spec
@@ -156,14 +157,10 @@ def main() -> None:
     p.add_argument("--no-placebo", action="store_true", help="leave the placebo run out")
     p.add_argument("--match", default="snapkv", help="fixed policies matched to each run's memory (comma-separated)")
     p.add_argument("--policy-file", default=None, help="a dynamic policy (YAML) in place of the suite's scaled default")
-    p.add_argument("--split", default="heldout", choices=["heldout", "train"],
-                   help="which items: tune on train, report on heldout")  # fmt: skip
+    split_arg(p)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    spec = suite_spec(args.model, "standard")
-    shrink = {name: {**getattr(spec, name), "n": min(args.items, getattr(spec, name)["n"])}
-              for name in ("prose", "longgen", "chat")}  # fmt: skip
-    spec = dataclasses.replace(spec, **shrink)
+    spec = shrunk_spec(suite_spec(args.model, "standard"), args.items, ("prose", "longgen", "chat"))
     t0 = time.perf_counter()
     ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)

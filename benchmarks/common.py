@@ -7,13 +7,14 @@ import dataclasses
 import json
 import platform
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from confkv.bench.suite import Evaluator, build_workloads, git_commit, suite_spec
+from confkv.bench.suite import Evaluator, SuiteSpec, build_workloads, git_commit, suite_spec
 from confkv.bench.workloads import render_chat
 from confkv.engine.engine import LLMEngine
 from confkv.model_loader import LoadedModel, load_model, resolve_device
@@ -45,8 +46,18 @@ def variant_args(p: argparse.ArgumentParser, *, items: int, split: str, baseline
     """Arguments of the scripts that run one policy file against fixed baselines matched to its memory."""
     p.add_argument("--policy-file", required=True, help="the variant (a dynamic or learned policy)")
     p.add_argument("--items", type=int, default=items)
-    p.add_argument("--split", choices=("train", "heldout"), default=split)
+    split_arg(p, split)
     p.add_argument("--baselines", default=baselines)
+
+
+def split_arg(p: argparse.ArgumentParser, default: str = "heldout") -> None:
+    """Which items: the keys of ``docs/bench/policies`` were chosen on held-out ones, so train items check them."""
+    p.add_argument("--split", choices=("train", "heldout"), default=default)
+
+
+def shrunk_spec(spec: SuiteSpec, items: int, names: Iterable[str]) -> SuiteSpec:
+    """``spec`` with at most ``items`` items (its first ones) of each workload in ``names``."""
+    return dataclasses.replace(spec, **{n: {**getattr(spec, n), "n": min(items, getattr(spec, n)["n"])} for n in names})
 
 
 def setup(args: argparse.Namespace) -> tuple[torch.device, dict]:

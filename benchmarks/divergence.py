@@ -83,7 +83,10 @@ def main() -> None:
 
     result: dict = {**env, "policy_file": args.policy_file, "workload": args.workload, "split": args.split,
                     "items": args.items, "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
-    text = lambda outs: [loaded.tokenizer.decode(o.token_ids) for o in outs]  # noqa: E731
+
+    def texts(outs: list[RequestOutput]) -> list[str]:
+        return [loaded.tokenizer.decode(o.token_ids) for o in outs]
+
     rows = []
     for key, outs in runs.items():
         firsts, near_ties, whole, shares = [], 0, 0, []
@@ -106,7 +109,7 @@ def main() -> None:
             f"{r['token']}/{len(full[r['item']].token_ids)}" for r in rows if r["policy"] == key
         )
         result[f"{key}_diverged"] = f"{len(firsts)} / {len(prompts)}"
-        result[f"{key}_rougeL_vs_full"] = round(rouge_l(text(outs), text(full)), 3)
+        result[f"{key}_rougeL_vs_full"] = round(rouge_l(texts(outs), texts(full)), 3)
         result[f"{key}_at_near_ties"] = f"{near_ties} / {len(firsts)}"
         result[f"{key}_with_95pct_resident"] = f"{whole} / {len(firsts)}"
         result[f"{key}_resident_share_median"] = round(statistics.median(shares), 3) if shares else None

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import shrunk_spec, split_arg
+
 from confkv.bench.suite import (
     Evaluator,
     baseline_policy,
@@ -72,7 +74,7 @@ def main() -> None:
     p.add_argument("--retrieval", action="store_true", help="also pass-key and multi-key accuracy")
     p.add_argument("--baselines", default=",".join(BASELINES))
     p.add_argument("--policy-file", action="append", default=[], help="also a dynamic policy (YAML) as a variant")
-    p.add_argument("--split", choices=("heldout", "train"), default="heldout")
+    split_arg(p)
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.add_argument("--list", action="store_true")
     args = p.parse_args()
@@ -80,10 +82,8 @@ def main() -> None:
         for name, changes in VARIANTS.items():
             print(f"{name}: {changes}")
         return
-    spec = suite_spec(args.model, args.suite)
-    shrink = {name: {**getattr(spec, name), "n": min(args.items, getattr(spec, name)["n"])}
-              for name in ("prose", "longgen", "chat")}  # fmt: skip
-    spec = dataclasses.replace(spec, **shrink, multikey={**spec.multikey, "n": args.items})
+    spec = shrunk_spec(suite_spec(args.model, args.suite), args.items, TEACHER_FORCED)
+    spec = dataclasses.replace(spec, multikey={**spec.multikey, "n": args.items})
     t0 = time.perf_counter()
     ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)

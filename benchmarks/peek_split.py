@@ -15,11 +15,11 @@ resident), and the others by how many tokens have passed since the last peek.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
 import torch
+from common import shrunk_spec
 
 from confkv.bench.suite import Evaluator, suite_spec
 from confkv.config import load_policy_file
@@ -46,9 +46,7 @@ def main() -> None:
     p.add_argument("--peek-resident", type=int, default=400, help="resident keys above which a token was a peek")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    spec = suite_spec(args.model, "standard")
-    w = getattr(spec, args.workload)
-    spec = dataclasses.replace(spec, **{args.workload: {**w, "n": min(args.items, w["n"])}})
+    spec = shrunk_spec(suite_spec(args.model, "standard"), args.items, (args.workload,))
     ev = Evaluator.prepare(args.model, spec, progress=False)
     items = [ScoreItem(r.scored_ids, r.score_from, r.topk) for r in ev.references[args.workload]]
     report = {}
