@@ -235,7 +235,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = llm.generate(prompt, params, chat=args.chat)[0].to_dict()
     if args.json:
         print(json.dumps(out))
-    else:
+    if out["finish_reason"] == "error":
+        print(f"confkv: error: generation failed: {out['error']}", file=sys.stderr)
+        return 1
+    if not args.json:
         print(out["text"])
         print(_summary(out), file=sys.stderr)
     return 0

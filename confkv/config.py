@@ -200,9 +200,13 @@ def load_policy_file(path: str | Path) -> CachePolicy:
     if not p.is_file():
         raise ConfkvError(f"policy file not found: {p}")
     try:
-        doc = yaml.safe_load(p.read_text())
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise ConfkvError(f"policy file {p} is not valid YAML: {err}") from None
+    except UnicodeDecodeError:
+        raise ConfkvError(f"policy file {p} is not UTF-8 text") from None
+    except OSError as err:
+        raise ConfkvError(f"cannot read policy file {p}: {err.strerror or err}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("cache_policy"), dict):
         raise ConfkvError(f"policy file {p} must hold a mapping under a top-level 'cache_policy:' key")
     values = dict(doc["cache_policy"])
@@ -269,12 +273,12 @@ class EngineConfig(BaseModel):
     model: str = Field("smollm2-135m", description="'smollm2-135m', 'tiny-random', or a local Hugging Face folder")
     device: str | None = Field(None, description="torch device; default cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kv_cache_memory: ByteSize | None = Field(None, description="bytes for the device KV pool ('1GiB')")
+    kv_cache_memory: ByteSize | None = Field(None, gt=0, description="bytes for the device KV pool ('1GiB')")
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the pool if unset")
     max_batch_size: int = Field(32, ge=1, description="most sequences decoded together")
     max_num_batched_tokens: int = Field(512, ge=16, description="tokens per step (prefill chunks + decodes)")
     max_model_len: int | None = Field(None, ge=2, description="context limit; default the model's")
-    seed: int = 0
+    seed: int = Field(0, ge=-(2**63), le=2**64 - 1, description="torch's seed range")
     cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")
     pack_weights: bool = Field(True, description="on CPU, run linear layers on oneDNN with weights packed once")
 

@@ -58,12 +58,36 @@ def test_policy_file_names_the_controller(capsys, tmp_path):
         (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
         (["--prompt-file", "/no/such/file"], "cannot read prompt file"),
         (["--prompt", "hi", "--set", "nonsense=3"], "unknown policy key"),
+        (["--prompt", "hi", "--seed", str(2**64)], "seed"),
+        (["--prompt", "hi", "--stop", ""], "stop strings must not be empty"),
+        (["--prompt", "hi", "--kv-cache-memory", "0"], "kv_cache_memory"),
+        (["--prompt", "hi", "--kv-cache-memory", "100TiB"], "cannot allocate a KV pool"),
     ],
 )
 def test_bad_input_exits_nonzero_with_a_message(capsys, args, fragment):
     code, out, err = run_cli(capsys, "generate", "--model", "tiny-random", *args)
     assert code == 2 and out == ""
     assert fragment in err and "Traceback" not in err
+
+
+def test_a_policy_file_that_is_not_text_is_a_user_error(capsys, tmp_path):
+    f = tmp_path / "bin.yaml"
+    f.write_bytes(b"\xff\xfe\x00garbage")
+    code, out, err = run_cli(capsys, "generate", "--model", "tiny-random", "--prompt", "hi", "--policy-file", str(f))
+    assert code == 2 and out == ""
+    assert "is not UTF-8 text" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [["--temperature", "1e-300"], ["--temperature", "1", "--top-p", "1e-300"]])
+def test_extreme_sampling_values_still_sample(capsys, args):
+    """A temperature under float32's range is greedy (as in vLLM), a top_p under it keeps the top token: neither
+    may end in NaN probabilities (a failed request once printed a traceback from the summary)."""
+    code, out, err = run_cli(
+        capsys, "generate", "--model", "tiny-random", "--prompt", "hi", "--max-tokens", "3", "--json", *args
+    )
+    assert code == 0 and "Traceback" not in err
+    doc = json.loads(out)
+    assert doc["finish_reason"] == "length" and doc["generated_tokens"] == 3
 
 
 def test_missing_model_and_usage_errors(capsys):

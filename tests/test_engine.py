@@ -133,6 +133,22 @@ def test_sampling_is_reproducible_by_seed(tiny):
     assert a == b and a != c
 
 
+def test_tiny_temperature_is_greedy_and_tiny_top_p_keeps_the_top_token(tiny):
+    llm = LLM("tiny-random", "full", loaded=tiny)
+    greedy_ids = llm.generate("Once upon a time", greedy(12))[0].token_ids
+    for params in (
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=1e-300, seed=3),
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_p=1e-300, seed=3),
+    ):
+        out = llm.generate("Once upon a time", params)[0]
+        assert out.finish_reason == "length" and out.token_ids == greedy_ids
+
+
+def test_a_context_longer_than_the_models_is_refused_not_clamped(tiny):
+    with pytest.raises(ConfkvError, match="more than the model's context"):
+        LLM("tiny-random", "full", loaded=tiny, max_model_len=10**8)
+
+
 def test_stop_strings_and_stop_tokens(tiny):
     llm = LLM("tiny-random", "full", loaded=tiny)
     first = llm.generate("Stop here", greedy(40))[0]

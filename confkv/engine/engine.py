@@ -119,7 +119,11 @@ class LLMEngine:
         if config.pack_weights:
             pack_linears(self.model)
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        if config.max_model_len is not None and config.max_model_len > self.loaded.max_model_len:
+            raise ConfkvError(
+                f"max_model_len {config.max_model_len} is more than the model's context ({self.loaded.max_model_len})"
+            )
+        self.max_model_len = config.max_model_len or self.loaded.max_model_len
 
         layers, kv_heads, head_dim = BlockPool.geometry(self.model.config)
         dtype = next(self.model.parameters()).dtype

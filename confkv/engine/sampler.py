@@ -20,6 +20,7 @@ def _filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token once the mass before it already reaches top_p; the first token always stays
         drop = (cum - sorted_logits.softmax(-1)) >= p.top_p
+        drop[0] = False  # a top_p below float32's range rounds to 0, which the first token's 0 would reach
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.log_softmax(scaled, dim=-1)
 

@@ -43,8 +43,16 @@ class BlockPool:
         slots = num_blocks * block_size
         # torch.empty: pages are committed as blocks are first handed out (``allocate`` zeroes a block then, because
         # decode attention reads whole blocks, masked tails included, and uninitialised memory may hold NaN).
-        self.k = torch.empty((num_layers, slots, num_kv_heads, head_dim), dtype=dtype, device=self.device)
-        self.v = torch.empty_like(self.k)
+        shape = (num_layers, slots, num_kv_heads, head_dim)
+        try:
+            self.k = torch.empty(shape, dtype=dtype, device=self.device)
+            self.v = torch.empty_like(self.k)
+        except RuntimeError as err:  # torch.OutOfMemoryError included
+            size = self.bytes_per_block_for(num_layers, num_kv_heads, head_dim, block_size, dtype) * num_blocks
+            raise ConfkvError(
+                f"cannot allocate a KV pool of {size / 2**30:.1f} GiB on {self.device} ({str(err).splitlines()[0]}); "
+                "lower kv_cache_memory"
+            ) from None
         #: Attention mass each slot has received (summed over heads and layers); block importance for eviction.
         self.score = torch.zeros(slots, dtype=torch.float32, device=self.device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
