@@ -332,7 +332,17 @@ BAD_REQUESTS = [
     ("penalty", "/v1/chat/completions", _chat_body(presence_penalty=1.0), 400, "presence_penalty"),
     ("too many stops", "/v1/chat/completions", _chat_body(stop=[str(i) for i in range(20)]), 400, "stop"),
     ("body too large", "/v1/completions", {"model": MODEL, "prompt": "x" * (BODY_LIMIT + 1)}, 413, None),
-]
+    # cache_policy values are as strict as the other fields (CachePolicy itself, for YAML and key=value, is lax)
+    ("policy int as string", "/v1/chat/completions", _chat_body(cache_policy={"max_size": "2048"}), 400,
+     "cache_policy"),
+    ("policy float as string", "/v1/completions",
+     {"model": MODEL, "prompt": "x", "max_tokens": 2, "cache_policy": {"scaling_factor": "0.5"}}, 400, "cache_policy"),
+    ("policy bool as string", "/v1/chat/completions", _chat_body(cache_policy={"reselect_after_prompt": "yes"}), 400,
+     "cache_policy"),
+    ("policy bool as int", "/v1/chat/completions", _chat_body(cache_policy={"reselect_after_prompt": 1}), 400,
+     "cache_policy"),
+    ("policy int as bool", "/v1/chat/completions", _chat_body(cache_policy={"max_size": True}), 400, "cache_policy"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("what", "path", "body", "status", "param"), BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
@@ -401,3 +411,136 @@ def test_put_cache_policy_changes_what_the_next_requests_use(server, client):
     finally:
         status, _ = server.request("PUT", "/v1/cache_policy", start["policy"])
         assert status == 200
+
+
+def request_errors(server, kind: str) -> float:
+    return value(metrics(server), "confkv:request_errors", "confkv:request_errors_total", kind=kind)
+
+
+def post_chunked(server, path: str, data: bytes, method: str = "POST") -> tuple[int, dict]:
+    """Send ``data`` with ``Transfer-Encoding: chunked`` (no Content-Length), in 4 KiB chunks."""
+    conn = server.connection()
+    try:
+        chunks = iter([data[i : i + 4096] for i in range(0, len(data), 4096)])
+        conn.request(method, path, body=chunks, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(server, client):
+    """With no Content-Length the limit is found while the body is read: the same 413 as by Content-Length."""
+    big = json.dumps({"model": MODEL, "prompt": "x" * (BODY_LIMIT + 1), "max_tokens": 2}).encode()
+    too_large0, bad0 = request_errors(server, "too_large"), request_errors(server, "bad_request")
+    for path, method in (("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/cache_policy", "PUT")):
+        status, doc = post_chunked(server, path, big, method)
+        assert status == 413, (path, doc)
+        assert doc["error"]["code"] == "request_too_large" and str(BODY_LIMIT) in doc["error"]["message"]
+    assert server.request("POST", "/v1/completions", raw=big)[1]["error"]["code"] == "request_too_large"
+    assert request_errors(server, "too_large") == too_large0 + 4  # each counted once, as too_large alone
+    assert request_errors(server, "bad_request") == bad0
+    small = json.dumps({"model": MODEL, "prompt": "chunked", "max_tokens": 2}).encode()
+    status, doc = post_chunked(server, "/v1/completions", small)  # under the limit, chunked is fine
+    assert status == 200 and doc["usage"]["completion_tokens"] >= 1
+    assert client.chat.completions.create(model=MODEL, messages=chat(0), max_tokens=2).choices
+
+
+def test_a_wrong_method_is_a_405_counted_as_a_client_error(server):
+    internal0, bad0 = request_errors(server, "internal"), request_errors(server, "bad_request")
+    for method, path in (("GET", "/v1/completions"), ("PATCH", "/v1/chat/completions"), ("DELETE", "/health")):
+        status, doc = server.request(method, path)
+        assert status == 405, (method, path, doc)
+        assert set(doc["error"]) == {"message", "type", "param", "code"}
+        assert doc["error"]["type"] == "invalid_request_error"
+    conn = server.connection()
+    try:
+        conn.request("GET", "/v1/completions")
+        resp = conn.getresponse()
+        assert resp.status == 405 and resp.getheader("allow") == "POST"
+        resp.read()
+    finally:
+        conn.close()
+    assert request_errors(server, "internal") == internal0
+    assert request_errors(server, "bad_request") == bad0 + 4
+
+
+def test_completions_default_max_tokens_is_clamped_to_the_limit(client):
+    """OpenAI's default of 16 for completions, within --max-tokens-limit: a value the client never sent is no 400."""
+    out = client.completions.create(model=MODEL, prompt="default", temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16  # the limit here is larger
+    with ServerProcess("--model", MODEL, "--kv-cache-memory", "1MiB", "--max-tokens-limit", "5") as small:
+        for body in ({}, {"max_tokens": None}):
+            status, doc = small.request(
+                "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "ignore_eos": True, **body}
+            )
+            assert status == 200, doc
+            assert doc["usage"]["completion_tokens"] == 5
+        status, doc = small.request("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 6})
+        assert status == 400 and doc["error"]["param"] == "max_tokens"  # a value the client did send still is
+        assert "max_tokens is 6; this server allows at most 5" in doc["error"]["message"]
+
+
+def test_put_cache_policy_values_are_strict(server):
+    status, start = server.request("GET", "/v1/cache_policy")
+    assert status == 200
+    swaps0 = value(metrics(server), "confkv:policy_swaps", "confkv:policy_swaps_total")
+    for bad, field in (({"max_size": "2048"}, "max_size"),
+                       ({"scaling_factor": "0.5"}, "scaling_factor"),
+                       ({"reselect_after_prompt": "yes"}, "reselect_after_prompt"),
+                       ({"reselect_after_prompt": 1}, "reselect_after_prompt"),
+                       ({"max_size": True}, "max_size"),
+                       ({"cache_policy": {"min_recent": "8"}}, "min_recent")):  # fmt: skip
+        status, err = server.request("PUT", "/v1/cache_policy", bad)
+        assert status == 422 and err["error"]["param"] == field, (bad, err)
+        assert err["error"]["code"] == "invalid_value" and field in err["error"]["message"]
+    assert server.request("GET", "/v1/cache_policy")[1] == start  # nothing changed, nothing swapped
+    assert value(metrics(server), "confkv:policy_swaps", "confkv:policy_swaps_total") == swaps0
+    # per request, the right JSON types still pass: an int where a float goes, a real bool
+    out = server.request(
+        "POST", "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 2, "cache_policy": {"scaling_factor": 1, "max_size": 2048}},
+    )  # fmt: skip
+    assert out[0] == 200, out
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_says_so(server, content_type):
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    conn = server.connection()
+    try:
+        headers = {"Content-Type": content_type} if content_type else {}  # none: http.client sends none
+        conn.request("POST", "/v1/completions", body=body, headers=headers)
+        resp = conn.getresponse()
+        status, doc = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert status == 400, doc
+    assert "Content-Type: application/json" in doc["error"]["message"], doc
+    assert (content_type or "no Content-Type") in doc["error"]["message"]
+    assert doc["error"]["code"] == "invalid_content_type"
+    status, doc = server.request("POST", "/v1/chat/completions", raw=b"[1, 2]")  # JSON, but not an object
+    assert status == 400 and doc["error"]["message"] == "the request body must be a JSON object"
+
+
+LONE_SURROGATES = [
+    ("/v1/completions", b'{"model": "tiny-random", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"model": "tiny-random", "prompt": ["a\\udfffb"], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions",
+     b'{"model": "tiny-random", "messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}', "messages"),
+    ("/v1/chat/completions",
+     b'{"model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), LONE_SURROGATES)
+def test_a_prompt_with_a_lone_surrogate_is_not_valid_unicode_text(server, client, path, raw, param):
+    status, doc = server.request("POST", path, raw=raw)
+    assert status == 400, doc
+    err = doc["error"]
+    assert err["param"] == param and "not valid Unicode text" in err["message"], err
+    assert "TextEncodeInput" not in err["message"]
+    # a surrogate pair (one character, escaped as JSON does) is valid text
+    good = raw.replace(b"\\ud800", b"\\ud83d\\ude00").replace(b"\\udfff", b"\\ud83d\\ude00")
+    assert server.request("POST", path, raw=good)[0] == 200

@@ -5,10 +5,12 @@ scheduler ... -> the request's queue -> SSE or one JSON body. Nothing here touch
 travel the same inbox, so they always land between two steps.
 
 Every failure a client can cause is a 4xx with OpenAI's error body ``{"error": {"message", "type", "param",
-"code"}}``: malformed JSON, wrong types and out-of-range values (400), a missing or wrong API key (401), an unknown
-model or session (404), a turn for a session that already has one running (409), a body over the limit (413), a bad
+"code"}}``: malformed JSON, a body not sent as JSON, wrong types and out-of-range values (400), a missing or wrong
+API key (401), an unknown model or session (404), a method the route does not take (405), a turn for a session that
+already has one running (409), a body over the limit (413, by Content-Length or while a chunked body is read), a bad
 cache policy on ``PUT /v1/cache_policy`` (422); 503 while draining or when the engine thread is gone. A 500 means a
-bug in confkv, never bad input.
+bug in confkv, never bad input. Every 4xx is counted under a client kind of ``confkv:request_errors`` (one of
+``_STATUS_KIND``, else ``bad_request``), never ``internal``.
 
 Sessions: the ``session_id`` body field goes to the engine with the request; ``DELETE /v1/sessions/{id}`` forgets a
 session in the engine's memory (through the engine thread's inbox, like everything that touches the engine) and in
@@ -58,6 +60,7 @@ _STATUS_KIND = {
     400: "bad_request",
     401: "unauthorized",
     404: "not_found",
+    405: "bad_request",
     409: "conflict",
     413: "too_large",
     422: "bad_request",
@@ -66,6 +69,7 @@ _STATUS_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -96,13 +100,28 @@ class ServerState:
         return not self.draining and self.engine_thread.healthy(self.settings.health_stale_s)
 
 
+def error_kind(status: int) -> str:
+    """The ``confkv:request_errors`` kind of an answer: a client kind for every 4xx, ``internal`` only for a 5xx."""
+    if status in _STATUS_KIND:
+        return _STATUS_KIND[status]
+    if 400 <= status < 500:
+        return "bad_request"
+    return "unavailable" if status == 503 else "internal"
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     etype = _STATUS_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return P.ErrorResponse(error=P.ErrorDetail(message=message, type=etype, param=param, code=code)).model_dump()
 
 
 class BodyLimitMiddleware:
-    """Refuse request bodies over ``limit`` bytes with 413, by Content-Length or while reading a chunked body."""
+    """Refuse request bodies over ``limit`` bytes with 413, by Content-Length or while reading a chunked body.
+
+    A chunked body (no Content-Length) is cut off by raising :class:`_BodyTooLarge` from ``receive``: an
+    ``HTTPException``, so FastAPI's body parsing passes it on (any other exception there becomes its generic 400
+    "There was an error parsing the body") and the app's handler answers the 413. Should it escape the app before
+    a response started, it is answered here.
+    """
 
     def __init__(self, app: ASGIApp, limit: int, on_refuse: Callable[[], None]) -> None:
         self.app, self.limit, self.on_refuse = app, limit, on_refuse
@@ -126,7 +145,7 @@ class BodyLimitMiddleware:
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
                     too_big = True
-                    raise _BodyTooLarge
+                    raise _BodyTooLarge(self.limit)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -148,9 +167,7 @@ class BodyLimitMiddleware:
 
     async def _refuse(self, send: Send) -> None:
         self.on_refuse()
-        body = json.dumps(
-            error_body(413, f"request body is larger than {self.limit} bytes", code="request_too_large")
-        ).encode()
+        body = json.dumps(error_body(413, _BodyTooLarge(self.limit).detail, code="request_too_large")).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -161,8 +178,19 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """A chunked body went over the limit while it was read (see :class:`BodyLimitMiddleware`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than {limit} bytes")
+
+
+def _is_json_content_type(value: str | None) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (``application/json`` or ``application/*+json``)."""
+    if not value:
+        return False
+    mime = value.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
@@ -194,22 +222,39 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
     app = FastAPI(title="confkv", version="0.1.0", lifespan=lifespan)
     app.state.confkv = state
 
-    def respond_error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
-        metrics.error(_STATUS_KIND.get(status, "unavailable" if status == 503 else "internal"))
-        return JSONResponse(error_body(status, message, param, code), status_code=status)
+    def respond_error(
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> JSONResponse:
+        metrics.error(error_kind(status))
+        return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
         return respond_error(err.status, err.message, param=err.param, code=err.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         errors = err.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return respond_error(400, "request body is not valid JSON", code="invalid_json")
         if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
             return respond_error(400, "request body is missing", code="invalid_request")
+        if tuple(first.get("loc", ())) == ("body",):  # the body as a whole is not an object
+            content_type = request.headers.get("content-type")
+            if not _is_json_content_type(content_type):
+                return respond_error(
+                    400,
+                    "the request body must be JSON, sent with 'Content-Type: application/json' "
+                    f"(got {content_type[:100] if content_type else 'no Content-Type'})",
+                    code="invalid_content_type",
+                )
+            return respond_error(400, "the request body must be a JSON object", code="invalid_request")
         parts = []
         for e in errors[:5]:
             param = _param_of(tuple(e.get("loc", ())))
@@ -220,7 +265,9 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        return respond_error(err.status_code, str(err.detail))
+        if isinstance(err, _BodyTooLarge):  # a chunked body over the limit, cut off while it was read
+            return respond_error(413, err.detail, code="request_too_large")
+        return respond_error(err.status_code, str(err.detail), headers=err.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, err: Exception) -> JSONResponse:
@@ -279,6 +326,8 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
             body = body["cache_policy"]
         if not isinstance(body, dict):
             raise APIError(422, "the body must be a JSON object of cache-policy keys", code="invalid_value")
+        if (refused := P.policy_type_error(body)) is not None:  # strict types, as every request field
+            raise APIError(422, refused[0], param=refused[1], code="invalid_value")
         current = et.policy_snapshot[0]
         values = {"block_size": current.block_size, **body}  # block_size cannot change while serving
         try:
@@ -444,9 +493,11 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
             prompt = body.single_prompt()
         except ValueError as err:
             raise APIError(400, str(err), param="prompt", code="invalid_value") from None
+        # OpenAI's default of 16, within --max-tokens-limit: a value the client never sent must not be refused
+        max_tokens = body.max_tokens if body.max_tokens is not None else min(16, et.max_tokens_limit)
         req = GenerateRequest(
             request_id=P.new_id("cmpl"),
-            sampling=body.sampling_kwargs(body.max_tokens if body.max_tokens is not None else 16),
+            sampling=body.sampling_kwargs(max_tokens),
             prompt=prompt,
             logprobs=body.logprobs,
             policy_overrides=body.cache_policy,

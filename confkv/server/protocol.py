@@ -1,14 +1,18 @@
 """Request and response bodies in OpenAI's shapes (the subset confkv serves), as pydantic models.
 
 Numbers and booleans are strict (``"5"`` is not a max_tokens, ``"yes"`` not a bool) so a wrong type is a 400 that
-names the field rather than a silent coercion. Unknown fields are ignored as OpenAI-compatible servers do (clients
-send ``user``, ``metadata`` ...), but fields whose meaning confkv cannot honour (``n`` > 1, tools, penalties, logit
-bias, JSON mode) are refused by :func:`unsupported` instead of being dropped without a word.
+names the field rather than a silent coercion; the values of ``cache_policy`` too (:func:`policy_type_error`: the
+HTTP layer is stricter than ``CachePolicy``, which YAML files and ``key=value`` overrides rely on to read ``"2048"``).
+Text the tokenizer cannot take (a lone surrogate, as JSON's ``"\\ud800"`` escape makes) is refused here as well.
+Unknown fields are ignored as OpenAI-compatible servers do (clients send ``user``, ``metadata`` ...), but fields
+whose meaning confkv cannot honour (``n`` > 1, tools, penalties, logit bias, JSON mode) are refused by
+:func:`unsupported` instead of being dropped without a word.
 
 Two extra body fields carry confkv's own features: ``cache_policy`` (per-request overrides of cache-policy keys,
-validated by the engine) and ``session_id`` (continue that session: the prompt reuses the KV the session kept, and
-the reused tokens are reported in ``usage.prompt_tokens_details.cached_tokens``, where OpenAI reports its prompt
-cache). ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are vLLM's extra sampling fields, accepted the same way.
+their types checked here, their values by the engine) and ``session_id`` (continue that session: the prompt reuses
+the KV the session kept, and the reused tokens are reported in ``usage.prompt_tokens_details.cached_tokens``, where
+OpenAI reports its prompt cache). ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are vLLM's extra sampling
+fields, accepted the same way.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
+from confkv.config import CachePolicy, format_validation_error
 from confkv.sessions.store import SESSION_ID_RE
 
 SInt = Annotated[int, Field(strict=True)]
@@ -33,6 +38,39 @@ MAX_LOGPROBS = 20
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+#: ``CachePolicy``'s keys with their types only (ranges and cross-field rules stay ``CachePolicy``'s), validated
+#: strictly: ``"2048"`` is not a size, ``"yes"`` or ``1`` not a bool, ``true`` not a number. Unknown keys pass through
+#: to ``CachePolicy`` and the engine, which name them. ``host_cache_memory`` keeps its unit strings (``"2GiB"``).
+_StrictPolicyValues = create_model(
+    "_StrictPolicyValues",
+    __config__=ConfigDict(strict=True, extra="allow"),
+    **{name: (field.annotation, None) for name, field in CachePolicy.model_fields.items()},
+)
+
+
+def policy_type_error(values: dict[str, Any]) -> tuple[str, str | None] | None:
+    """``(message, first key)`` when a cache-policy value of a request has the wrong JSON type, else None."""
+    try:
+        _StrictPolicyValues.model_validate(values)
+    except ValidationError as err:
+        loc = err.errors()[0].get("loc", ())
+        return format_validation_error(err, "cache policy"), (str(loc[0]) if loc else None)
+    return None
+
+
+def check_text(value: str, what: str) -> str:
+    """``value``, or ValueError when it is not valid Unicode text (a lone surrogate from a JSON ``\\ud800`` escape)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = value[err.start : err.end]
+        raise ValueError(
+            f"{what} is not valid Unicode text: it contains a lone surrogate ({ascii(bad)[1:-1]} at character "
+            f"{err.start}); send the text as UTF-8 or escape whole surrogate pairs"
+        ) from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -73,6 +111,13 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("cache_policy")
+    @classmethod
+    def _strict_policy_values(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and (refused := policy_type_error(v)) is not None:
+            raise ValueError(refused[0])
         return v
 
     @field_validator("session_id")
@@ -127,6 +172,14 @@ class CompletionRequest(_SamplingFields):
     echo: SBool = False
     suffix: SStr | None = None
     best_of: SInt | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _unicode_prompt(cls, v: Any) -> Any:
+        texts = [v] if isinstance(v, str) else [x for x in v if isinstance(x, str)]
+        for text in texts:
+            check_text(text, "the prompt")
+        return v
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
@@ -183,6 +236,13 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _unicode_messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        for i, m in enumerate(v):
+            check_text(m.text(), f"the content of message {i}")
+        return v
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
