@@ -521,6 +521,10 @@ def test_a_body_not_sent_as_json_says_so(server, content_type):
     assert doc["error"]["code"] == "invalid_content_type"
     status, doc = server.request("POST", "/v1/chat/completions", raw=b"[1, 2]")  # JSON, but not an object
     assert status == 400 and doc["error"]["message"] == "the request body must be a JSON object"
+    before = server.request("GET", "/v1/cache_policy")[1]
+    status, doc = server.request("PUT", "/v1/cache_policy", {"max_size": 64}, headers={"Content-Type": "text/plain"})
+    assert status == 400 and doc["error"]["code"] == "invalid_content_type", doc
+    assert server.request("GET", "/v1/cache_policy")[1] == before
 
 
 LONE_SURROGATES = [
@@ -531,6 +535,7 @@ LONE_SURROGATES = [
     ("/v1/chat/completions",
      b'{"model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
      "messages"),
+    ("/v1/completions", b'{"model": "tiny-random", "prompt": "hi", "max_tokens": 2, "stop": ["\\ud800"]}', "stop"),
 ]  # fmt: skip
 
 

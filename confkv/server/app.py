@@ -318,6 +318,14 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
 
     @app.put("/v1/cache_policy", dependencies=auth)
     async def put_cache_policy(request: Request) -> dict[str, Any]:
+        content_type = request.headers.get("content-type")
+        if not _is_json_content_type(content_type):  # the POST routes refuse it through their body model
+            raise APIError(
+                400,
+                "the request body must be JSON, sent with 'Content-Type: application/json' "
+                f"(got {content_type[:100] if content_type else 'no Content-Type'})",
+                code="invalid_content_type",
+            )
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -111,6 +111,8 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        for s in stops:
+            check_text(s, "a stop string")
         return v
 
     @field_validator("cache_policy")
