@@ -265,6 +265,10 @@ def resolve_policy(
     return make_policy(base)
 
 
+#: What ``torch.Generator.manual_seed`` takes (the engine's seed and every request's).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 class EngineConfig(BaseModel):
     """Engine-wide settings: the model, where it runs, and how big the KV pool and batches are."""
 
@@ -278,7 +282,7 @@ class EngineConfig(BaseModel):
     max_batch_size: int = Field(32, ge=1, description="most sequences decoded together")
     max_num_batched_tokens: int = Field(512, ge=16, description="tokens per step (prefill chunks + decodes)")
     max_model_len: int | None = Field(None, ge=2, description="context limit; default the model's")
-    seed: int = Field(0, ge=-(2**63), le=2**64 - 1, description="torch's seed range")
+    seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="within torch's seed range")
     cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")
     pack_weights: bool = Field(True, description="on CPU, run linear layers on oneDNN with weights packed once")
 

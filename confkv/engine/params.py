@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from confkv.config import format_validation_error
+from confkv.config import SEED_RANGE, format_validation_error
 from confkv.errors import ConfkvError
 
 #: Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows float32.
 SAMPLING_EPS = 1e-5
-#: What ``torch.Generator.manual_seed`` takes.
-SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 class SamplingParams(BaseModel):

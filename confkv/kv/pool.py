@@ -48,10 +48,9 @@ class BlockPool:
             self.k = torch.empty(shape, dtype=dtype, device=self.device)
             self.v = torch.empty_like(self.k)
         except RuntimeError as err:  # torch.OutOfMemoryError included
-            size = self.bytes_per_block_for(num_layers, num_kv_heads, head_dim, block_size, dtype) * num_blocks
             raise ConfkvError(
-                f"cannot allocate a KV pool of {size / 2**30:.1f} GiB on {self.device} ({str(err).splitlines()[0]}); "
-                "lower kv_cache_memory"
+                f"cannot allocate a KV pool of {self.total_bytes / 2**30:.1f} GiB on {self.device} "
+                f"({str(err).splitlines()[0]}); lower kv_cache_memory"
             ) from None
         #: Attention mass each slot has received (summed over heads and layers); block importance for eviction.
         self.score = torch.zeros(slots, dtype=torch.float32, device=self.device)

@@ -185,12 +185,14 @@ class _BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"request body is larger than {limit} bytes")
 
 
-def _is_json_content_type(value: str | None) -> bool:
-    """Whether FastAPI reads a body of this Content-Type as JSON (``application/json`` or ``application/*+json``)."""
-    if not value:
-        return False
-    mime = value.split(";", 1)[0].strip().lower()
-    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+def _not_json(content_type: str | None) -> str | None:
+    """Why a body of this Content-Type is refused, or None when FastAPI reads it as JSON (``application/json`` or
+    ``application/*+json``)."""
+    mime = (content_type or "").split(";", 1)[0].strip().lower()
+    if mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json")):
+        return None
+    got = content_type[:100] if content_type else "no Content-Type"
+    return f"the request body must be JSON, sent with 'Content-Type: application/json' (got {got})"
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
@@ -246,14 +248,8 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
         if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
             return respond_error(400, "request body is missing", code="invalid_request")
         if tuple(first.get("loc", ())) == ("body",):  # the body as a whole is not an object
-            content_type = request.headers.get("content-type")
-            if not _is_json_content_type(content_type):
-                return respond_error(
-                    400,
-                    "the request body must be JSON, sent with 'Content-Type: application/json' "
-                    f"(got {content_type[:100] if content_type else 'no Content-Type'})",
-                    code="invalid_content_type",
-                )
+            if (refusal := _not_json(request.headers.get("content-type"))) is not None:
+                return respond_error(400, refusal, code="invalid_content_type")
             return respond_error(400, "the request body must be a JSON object", code="invalid_request")
         parts = []
         for e in errors[:5]:
@@ -318,14 +314,8 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
 
     @app.put("/v1/cache_policy", dependencies=auth)
     async def put_cache_policy(request: Request) -> dict[str, Any]:
-        content_type = request.headers.get("content-type")
-        if not _is_json_content_type(content_type):  # the POST routes refuse it through their body model
-            raise APIError(
-                400,
-                "the request body must be JSON, sent with 'Content-Type: application/json' "
-                f"(got {content_type[:100] if content_type else 'no Content-Type'})",
-                code="invalid_content_type",
-            )
+        if (refusal := _not_json(request.headers.get("content-type"))) is not None:  # POST: through the body model
+            raise APIError(400, refusal, code="invalid_content_type")
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
