@@ -5,6 +5,8 @@ with the store."""
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import pytest
 
@@ -193,4 +195,122 @@ def test_unreachable_store_is_skipped_until_it_answers_again(tmp_path, monkeypat
     assert llm.engine.flush_sessions() == 2  # the store takes a write: it is back, the back-off ends early
     third = llm.chat([[{"role": "user", "content": TURNS[2]}]], PARAMS, session_id="new-3")[0]
     assert third.timing.get("restore_s") is not None
+    llm.close()
+
+
+def test_a_record_larger_than_the_host_tier_keeps_its_prefix(reference, tmp_path):
+    """A restore puts the record's blocks in the host tier first; when they do not all fit, the ones it drops are
+    known as dropped (not left looking like host blocks for the next step to trip on), and a full cache recomputes
+    from the first of them."""
+    bytes_per_block = LLM("tiny-random", "full", loaded=fresh_tiny()).engine.pool.bytes_per_block
+
+    def offload(llm, i):
+        assert llm.engine.flush_sessions() == 1
+        llm.engine.sessions.parked.clear()
+
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=SessionOptions(store_url=str(tmp_path / "big")),
+              host_cache_memory=3 * bytes_per_block)  # fmt: skip
+    outs = _chat(llm, "chat-big", between=offload)
+    assert [o.token_ids for o in outs] == reference
+    block = llm.engine.pool.block_size
+    assert all(o.cached_tokens == 3 * block for o in outs[1:])  # the three blocks the host tier could take
+    assert llm.engine.stats()["session_hits"]["store"] == 2
+    llm.close()
+
+
+def _answered(tiers, done, timeout_s: float = 10.0) -> None:
+    """Drain the store worker's answers until ``done()`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the session store worker did not answer"
+        tiers._drain(block_s=0.05)
+
+
+def test_a_failed_write_leaves_a_newer_turn_of_the_session_alone(tmp_path, monkeypatch):
+    """A write that fails after the session's next turn has parked it again must not forget that turn's KV (nor
+    leave its blocks held by nobody)."""
+    from confkv.sessions.errors import StoreUnavailable
+
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=SessionOptions(store_url=str(tmp_path / "w")))
+    engine, tiers = llm.engine, llm.engine.sessions
+    llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="w")
+    release = threading.Event()
+
+    def slow_failing_put(record):
+        release.wait(10)
+        raise StoreUnavailable("write lost (test)")
+
+    monkeypatch.setattr(tiers.store, "put", slow_failing_put)
+    tiers._to_store(tiers.parked["w"])
+    tiers._store_down_until = time.monotonic() + 60  # backing off: the next turn does not wait for the store
+    llm.chat([[{"role": "user", "content": TURNS[1]}]], PARAMS, session_id="w")
+    assert tiers.parked["w"].tier == "device"
+    release.set()
+    _answered(tiers, lambda: tiers._pending_writes == 0)
+    assert tiers.faults["unavailable"] == 2  # the skipped restore and the lost write
+    assert tiers.parked["w"].tier == "device" and engine.pool.num_used > 0
+    assert engine.delete_session("w") and engine.pool.num_used == 0
+    llm.close()
+
+
+def test_a_delete_that_fails_after_a_write_is_not_undone_by_it(tmp_path, monkeypatch):
+    """A write queued before a delete that the store then fails to answer does not replace the deleted record:
+    the session is not restored from it, and the delete is sent again."""
+    from confkv.sessions.errors import StoreUnavailable
+
+    url = str(tmp_path / "del")
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=SessionOptions(store_url=url))
+    tiers = llm.engine.sessions
+    llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="gone")
+    real_delete = tiers.store.delete
+
+    def fails_once(sid):
+        monkeypatch.setattr(tiers.store, "delete", real_delete)
+        raise StoreUnavailable("delete lost (test)")
+
+    monkeypatch.setattr(tiers.store, "delete", fails_once)
+    tiers._to_store(tiers.parked["gone"])  # the write is queued first
+    assert llm.engine.delete_session("gone")  # then the delete, which the store fails to answer
+    _answered(tiers, lambda: tiers._pending_writes == 0 and tiers.faults["unavailable"] == 1)
+    assert SessionStore(url).exists("gone") and "gone" in tiers._unconfirmed_deletes
+    tiers._store_down_until = 0.0
+    (out,) = llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="gone")
+    assert out.cached_tokens == 0 and "restore_s" not in out.timing  # not restored from the deleted record
+    tiers._last_sweep = 0.0
+    tiers.housekeeping()  # the sweep sends the delete again
+    _answered(tiers, lambda: "gone" not in tiers._unconfirmed_deletes)
+    assert not SessionStore(url).exists("gone")
+    llm.close()
+
+
+def test_a_store_call_that_fails_unexpectedly_still_answers_its_request(tmp_path, monkeypatch):
+    """A failure other than the store's own faults (a bug, a library's exception) is answered as a fault: the
+    request waiting for the restore recomputes instead of waiting for good."""
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=SessionOptions(store_url=str(tmp_path / "bug")))
+    engine = llm.engine
+
+    def broken(*a, **k):
+        raise RuntimeError("not a store fault (test)")
+
+    monkeypatch.setattr(engine.sessions.store, "get", broken)
+    engine.add_request("r", "hello there", PARAMS, session_id="never-seen")
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the request waited for a restore that was never answered"
+        engine.step() or engine.sessions.wait_for_restores(0.05)
+    assert engine.stats()["session_faults"]["error"] == 1
+    llm.close()
+
+
+def test_the_expiry_sweep_goes_past_an_object_it_cannot_read(tmp_path):
+    url = str(tmp_path / "sweep")
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=SessionOptions(store_url=url))
+    llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="zzz")
+    llm.engine.flush_sessions()
+    (tmp_path / "sweep" / "aaa.tokens").write_bytes(b"not a tokens object")  # sorts first
+    llm.engine.sessions._jobs.put(("sweep", time.time() + 1))  # everything is older than that
+    deadline = time.monotonic() + 30
+    while SessionStore(url).exists("zzz"):
+        assert time.monotonic() < deadline, "the sweep stopped at the unreadable object"
+        time.sleep(0.05)
     llm.close()

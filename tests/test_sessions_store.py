@@ -320,7 +320,7 @@ def test_round_trip_on_each_backend(make_store: Callable[..., SessionStore]) -> 
     stats = store.stats()
     assert stats["puts"] == 2 and stats["gets"] == 2 and stats["token_gets"] == 1 and stats["misses"] == 2
     assert stats["deletes"] == 1 and stats["bytes_written"] >= 2 * written and stats["bytes_read"] > written
-    assert stats["faults"] == {"unavailable": 0, "corrupt": 0, "foreign": 0} and stats["reachable"]
+    assert stats["faults"] == {"unavailable": 0, "corrupt": 0, "foreign": 0, "error": 0} and stats["reachable"]
 
 
 def test_foreign_records_through_the_store(make_store: Callable[..., SessionStore]) -> None:

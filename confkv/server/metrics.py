@@ -58,7 +58,7 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 #: session tiers and store fault kinds (``confkv.sessions.tiers.TIERS``, ``confkv.sessions.store.FAULT_KINDS``),
 #: restated so that every series exists from the start (and this module imports no torch).
 SESSION_TIERS: tuple[str, ...] = ("device", "host", "store")
-SESSION_FAULT_KINDS: tuple[str, ...] = ("unavailable", "corrupt", "foreign")
+SESSION_FAULT_KINDS: tuple[str, ...] = ("unavailable", "corrupt", "foreign", "error")
 #: session counters read from ``engine.stats()``: metric name (without _total) -> (stats key, help)
 SESSION_COUNTERS: dict[str, tuple[str, str]] = {
     "confkv:session_misses": (
@@ -171,7 +171,8 @@ def session_families(stats: dict[str, Any]) -> Iterator[Metric]:
     yield labelled(
         CounterMetricFamily(
             "confkv:session_store_faults",
-            "Session store faults by kind (unreachable or slow, corrupt record, record of another model); each one "
+            "Session store faults by kind (unreachable or slow, corrupt record, record of another model, any other "
+            "failure of a store call); each one "
             "fell back to recomputation or, for a write, left the session to its next request's prompt.",
             labels=["kind"],
         ),

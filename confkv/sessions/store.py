@@ -71,7 +71,7 @@ SESSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TOKENS_SUFFIX = ".tokens"
 RECORD_SUFFIX = ".record"
 #: fault kinds counted in ``stats()["faults"]`` (a missing record is a miss, counted in ``misses``).
-FAULT_KINDS: tuple[str, ...] = ("unavailable", "corrupt", "foreign")
+FAULT_KINDS: tuple[str, ...] = ("unavailable", "corrupt", "foreign", "error")
 _COUNTERS: tuple[str, ...] = ("puts", "gets", "token_gets", "misses", "deletes", "bytes_written", "bytes_read")
 _Obj = TypeVar("_Obj", SessionRecord, SessionTokens)
 

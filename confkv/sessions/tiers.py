@@ -46,7 +46,7 @@ from confkv.kv.block_table import DROPPED, ON_HOST, BlockTable
 from confkv.kv.manager import KVStats, SequenceKV
 from confkv.sessions.errors import RecordMissing, SessionStoreError, StoreUnavailable
 from confkv.sessions.record import BlockKV, SessionRecord, dtype_name, model_fingerprint
-from confkv.sessions.store import SessionStore, check_session_id
+from confkv.sessions.store import FAULT_KINDS, SessionStore, check_session_id
 
 if TYPE_CHECKING:
     from confkv.engine.engine import LLMEngine
@@ -106,8 +106,11 @@ class SessionTiers:
         #: Restore latencies since the last ``drain_restore_seconds`` (for a histogram; bounded for offline use).
         self.restore_seconds: deque[float] = deque(maxlen=4096)
         #: Deleted sessions whose store copy may still exist (the store did not answer the delete): never restored,
-        #: and deleted again on the next sweep.
-        self._unconfirmed_deletes: set[str] = set()
+        #: and deleted again on the next sweep. Each maps to its delete's job number: only a record written after
+        #: the delete (a later put, by number) replaces what was deleted.
+        self._unconfirmed_deletes: dict[str, int] = {}
+        self._last_put: dict[str, int] = {}  # session id -> job number of its latest queued write
+        self._job_no = 0
         self._store_down_until = 0.0
         self._fingerprint: str | None = None
         self._jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -182,6 +185,10 @@ class SessionTiers:
         limit = min(num_computed, len(prompt) - 1)
         while common < limit and prompt[common] == history[common]:
             common += 1
+        if not seq.controller.evicts and DROPPED in kv.table.entries:
+            # a block the host tier had to drop (a record larger than it): a full cache continues without holes,
+            # so everything from that block on is recomputed
+            common = min(common, kv.table.entries.index(DROPPED) * kv.table.block_size)
         if not extends:
             self.mismatches += 1
         # back to the device first (only the blocks that stay): a cut inside a block that is on the host would
@@ -236,9 +243,15 @@ class SessionTiers:
         if parked is not None and parked.kv is not None:
             self.engine.manager.close(parked.kv)
         if self.store is not None:
-            self._unconfirmed_deletes.add(session_id)
-            self._jobs.put(("delete", session_id))
+            n = self._next_job()
+            self._unconfirmed_deletes[session_id] = n
+            self._jobs.put(("delete", session_id, n))
         return parked is not None
+
+    def _next_job(self) -> int:
+        """Number store jobs in the order they are queued (the worker runs them in that order)."""
+        self._job_no += 1
+        return self._job_no
 
     # ----------------------------------------------------------------------------------------- tier moves
     def reclaim(self, blocks: int) -> int:
@@ -306,7 +319,9 @@ class SessionTiers:
         parked.tier = "store"
         self.offloads += 1
         self._pending_writes += 1
-        self._jobs.put(("put", record))
+        n = self._next_job()
+        self._last_put[parked.session_id] = n
+        self._jobs.put(("put", record, parked, n))
 
     def housekeeping(self) -> None:
         """Apply finished restores and writes, move idle sessions down a tier, expire old ones (between steps)."""
@@ -323,8 +338,9 @@ class SessionTiers:
                 self._to_store(parked)
         if self.store is not None and now - self._last_sweep > min(opts.ttl_s / 10, 600.0):
             self._last_sweep = now
-            for sid in self._unconfirmed_deletes:
-                self._jobs.put(("delete", sid))
+            for sid, n in self._unconfirmed_deletes.items():
+                if self._last_put.get(sid, 0) < n:  # a write queued since will replace the deleted record
+                    self._jobs.put(("delete", sid, n))
             self._jobs.put(("sweep", time.time() - opts.ttl_s))
 
     def flush(self, timeout_s: float = 60.0) -> int:
@@ -359,19 +375,26 @@ class SessionTiers:
             if kind == "got":
                 self._restored(*item[1:])
             elif kind == "put":
+                _, sid, err, parked, n = item
                 self._pending_writes -= 1
-                self._unconfirmed_deletes.discard(item[1])  # a newer record replaced whatever was deleted
-                if item[2] is not None:  # the record did not land: only what the request carries is left
-                    self.parked.pop(item[1], None)
-                    self._fault(item[2])
+                if self._last_put.get(sid) == n:
+                    del self._last_put[sid]
+                if err is not None:  # the record did not land: only what the request carries is left
+                    if self.parked.get(sid) is parked:  # not a newer turn's session parked since
+                        del self.parked[sid]
+                    self._fault(err)
                 else:
+                    if self._unconfirmed_deletes.get(sid, n) < n:  # written after the delete: it replaced it
+                        del self._unconfirmed_deletes[sid]
                     self._store_answered()
             elif kind == "deleted":
-                if item[2] is None:
-                    self._unconfirmed_deletes.discard(item[1])
+                _, sid, err, n = item
+                if err is None:
+                    if self._unconfirmed_deletes.get(sid) == n:
+                        del self._unconfirmed_deletes[sid]
                     self._store_answered()
                 else:
-                    self._fault(item[2])
+                    self._fault(err)
 
     def _fault(self, err: SessionStoreError) -> None:
         self.faults[err.kind] += 1
@@ -417,20 +440,21 @@ class SessionTiers:
         n_blocks = int(record.meta.get("table_blocks", table.blocks_for(record.num_computed)))
         table.entries = [DROPPED] * n_blocks
         table.num_tokens = record.num_computed
-        if record.blocks:
-            order = sorted(record.blocks)
-            k = torch.stack([record.blocks[i].k for i in order], dim=1)
-            v = torch.stack([record.blocks[i].v for i in order], dim=1)
-            score = torch.stack([record.blocks[i].score for i in order])
-            dropped = engine.host.put(seq_id, order, k, v, score)
-            for i in order:
-                table.entries[i] = ON_HOST
-            engine.manager._mark_dropped(dropped)
         applied = record.controller.get("applied_budget")
         kv = SequenceKV(seq_id=seq_id, table=table, controller=seq.controller,
                         budget=float(applied) if applied is not None else seq.kv.budget,
                         since_compact=int(record.controller.get("since_compact", 0)))  # fmt: skip
+        # registered before its blocks go to the host tier: a record larger than that tier has some of its own
+        # blocks dropped by the put, and only a registered sequence's table is told which
         engine.manager._seqs[seq_id] = kv
+        if record.blocks:
+            order = sorted(record.blocks, reverse=True)  # the host tier drops the first put first: keep the prefix
+            k = torch.stack([record.blocks[i].k for i in order], dim=1)
+            v = torch.stack([record.blocks[i].v for i in order], dim=1)
+            score = torch.stack([record.blocks[i].score for i in order])
+            for i in order:
+                table.entries[i] = ON_HOST
+            engine.manager._mark_dropped(engine.host.put(seq_id, order, k, v, score))
         return kv
 
     # ---------------------------------------------------------------------------------- background I/O
@@ -443,35 +467,31 @@ class SessionTiers:
             kind = job[0]
             if kind == "stop":
                 return
-            try:
-                if kind == "put":
-                    err = None
-                    try:
-                        store.put(job[1])
-                    except SessionStoreError as e:
-                        err = e
-                    self._done.put(("put", job[1].session_id, err))
-                elif kind == "get":
-                    _, sid, rid, expect = job
-                    try:
-                        self._done.put(("got", sid, rid, store.get(sid, expect=expect), None))
-                    except SessionStoreError as e:
-                        self._done.put(("got", sid, rid, None, e))
-                elif kind == "delete":
-                    try:
-                        store.delete(job[1])
-                        self._done.put(("deleted", job[1], None))
-                    except SessionStoreError as e:
-                        self._done.put(("deleted", job[1], e))
-                elif kind == "sweep":
-                    for sid in store.list_sessions():
-                        tokens = store.read_tokens(sid)
-                        if tokens is not None and tokens.updated_at < job[1] and sid not in self.active:
-                            store.delete(sid)
-            except SessionStoreError:
-                pass  # the store logged and counted it; the next call tries again
-            except Exception:  # a bug here must not take the worker down with every later session
-                log.exception("session store job %s failed", kind)
+            # every put, get and delete answers, whatever failed: a restore left unanswered would keep its request
+            # waiting for good, and an unanswered write would keep ``flush`` waiting out its timeout
+            if kind == "put":
+                _, record, parked, n = job
+                _, err = _call(store.put, record)
+                self._done.put(("put", record.session_id, err, parked, n))
+            elif kind == "get":
+                _, sid, rid, expect = job
+                got, err = _call(store.get, sid, expect=expect)
+                self._done.put(("got", sid, rid, got, err))
+            elif kind == "delete":
+                _, sid, n = job
+                _, err = _call(store.delete, sid)
+                self._done.put(("deleted", sid, err, n))
+            elif kind == "sweep":
+                self._sweep(store, job[1])
+
+    def _sweep(self, store: SessionStore, cutoff: float) -> None:
+        """Delete the store's sessions last used before ``cutoff``; an object that cannot be read (corrupt, or
+        another format's sharing the bucket) is left alone and does not stop the sweep."""
+        sids, err = _call(store.list_sessions)
+        for sid in sids if err is None else []:
+            tokens, err = _call(store.read_tokens, sid)
+            if err is None and tokens is not None and tokens.updated_at < cutoff and sid not in self.active:
+                _call(store.delete, sid)
 
     # -------------------------------------------------------------------------------------------- metrics
     def stats(self) -> dict[str, Any]:
@@ -490,7 +510,7 @@ class SessionTiers:
             "session_mismatches": self.mismatches,
             "session_tokens_reused": self.tokens_reused,
             "session_offloads": self.offloads,
-            "session_faults": {k: self.faults.get(k, 0) for k in ("unavailable", "corrupt", "foreign")},
+            "session_faults": {k: self.faults.get(k, 0) for k in FAULT_KINDS},
             "session_bytes": {**bytes_by_tier, "store_written": store["bytes_written"] if store else 0},
             "session_store_reachable": store["reachable"] if store else None,
         }
@@ -499,6 +519,18 @@ class SessionTiers:
         out = list(self.restore_seconds)
         self.restore_seconds.clear()
         return out
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, SessionStoreError | None]:
+    """Run a store call on the worker: its result, or the fault it raised (the store has logged and counted its
+    own). Anything else is a bug, logged here and answered as a fault, so the worker and its callers go on."""
+    try:
+        return fn(*args, **kwargs), None
+    except SessionStoreError as e:
+        return None, e
+    except Exception as e:
+        log.exception("session store call %s failed", getattr(fn, "__name__", fn))
+        return None, SessionStoreError(f"{type(e).__name__}: {e}")
 
 
 def _finite(x: float) -> float | None:
