@@ -22,6 +22,8 @@ import os
 import shutil
 import tarfile
 import tempfile
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ import yaml
 
 from confkv.config import CachePolicy, load_policy_file, make_policy
 from confkv.errors import ConfkvError
-from store.errors import ArtifactError, RegistryError
+from store.errors import ArtifactError, ArtifactUnavailable, RegistryError
 from store.models import KIND_LEARNED, KIND_RULE
 
 _COMPLETE = ".confkv-complete"
@@ -119,8 +121,8 @@ def pack_path(path: str | Path) -> PackedPolicy:
 
 # ------------------------------------------------------------------------------------------------ storage at a URI
 def _local_path(uri: str) -> Path | None:
-    if uri.startswith("file://"):
-        return Path(uri[len("file://") :])
+    if uri.startswith("file://"):  # what ``Path.as_uri`` wrote: percent-encoded (a space is %20)
+        return Path(urllib.request.url2pathname(urllib.parse.urlparse(uri).path))
     if "://" not in uri:
         return Path(uri)
     return None
@@ -142,7 +144,7 @@ def store_at(location: str, sha256: str, kind: str, data: bytes) -> str:
         with fsspec.open(uri, "wb") as f:
             f.write(data)
         return uri
-    except (OSError, ValueError, ImportError) as err:
+    except Exception as err:  # OSError, or the object store's own (botocore's errors are not OSErrors)
         raise RegistryError(f"cannot write the artifact to {location}: {err}") from None
 
 
@@ -155,8 +157,8 @@ def fetch_uri(uri: str) -> bytes:
 
         with fsspec.open(uri, "rb") as f:
             return f.read()
-    except (OSError, ValueError, ImportError) as err:
-        raise ArtifactError(f"cannot read the artifact at {uri}: {err}") from None
+    except Exception as err:  # OSError, or the object store's own (botocore's errors are not OSErrors)
+        raise ArtifactUnavailable(f"cannot read the artifact at {uri}: {err}") from None
 
 
 # ------------------------------------------------------------------------------------------------ loading

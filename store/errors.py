@@ -24,3 +24,8 @@ class PromotionRefused(RegistryError):
 
 class ArtifactError(RegistryError):
     """A version whose artifact fails its checksum or does not load as a policy."""
+
+
+class ArtifactUnavailable(ArtifactError):
+    """An artifact that could not be read at its URI (storage unreachable, credentials, a missing object): the
+    version may be fine, so a watcher tries it again rather than refusing it for good."""

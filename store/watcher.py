@@ -8,7 +8,8 @@ When the alias points at a version other than the current one, the watcher resol
 unpacked, policy and controller built: ``store.refs.resolve_ref``) and only then calls ``on_change`` with the
 ``ResolvedPolicy``; the engine swaps between two steps. A version that fails its checksum or does not load is
 refused: ``on_refused(reason)`` is called and the refusal logged, once per refused version (it is not retried
-every poll, but a later move away and back is checked again), and the current policy stays in place.
+every poll, but a later move away and back is checked again), and the current policy stays in place. An artifact
+that cannot be read at all (its storage unreachable) is not a refusal: it is tried again at the next check.
 
 A reference that names a fixed version (``registry://NAME@3``) never moves; watching it is allowed and does
 nothing after the first check. Database errors while polling are logged and retried at the next interval: a
@@ -26,6 +27,7 @@ from typing import Any
 
 from confkv.config import CachePolicy, make_policy
 from confkv.errors import ConfkvError
+from store.errors import ArtifactUnavailable
 from store.refs import ResolvedPolicy, parse_ref
 
 log = logging.getLogger("confkv.registry.watcher")
@@ -89,7 +91,10 @@ class PolicyWatcher:
             self.checks += 1
             reg = self._reg()
             info = reg.get_version(self.name, self.target)
-            if info.version == self.current_version or info.version == self.refused_version:
+            if info.version == self.current_version:
+                self.refused_version = None  # moved back: a later move to the refused version is checked again
+                return False
+            if info.version == self.refused_version:
                 return False
             try:
                 _, policy, path = reg.load(self.name, info.version)
@@ -98,6 +103,8 @@ class PolicyWatcher:
                 # on_change may refuse too (the engine cannot take a policy with another block size); any other
                 # exception leaves current_version unchanged, so the version is tried again at the next check
                 self.on_change(ResolvedPolicy(policy, info.policy, info.version, alias, info.sha256, path))
+            except ArtifactUnavailable:
+                raise  # not the version's fault: tried again at the next check, like an unreachable registry
             except ConfkvError as err:
                 self.refused_version = info.version
                 self.refusals += 1

@@ -375,6 +375,47 @@ def test_an_artifact_kept_at_a_uri_is_checked_too(sqlite_url: str, tmp_path: Pat
         resolve_ref("registry://uri@1", sqlite_url)
 
 
+def test_a_refused_version_is_checked_again_after_a_move_back(sqlite_url: str) -> None:
+    reg = Registry(sqlite_url)
+    reg.register("back", RULE)
+    reg.register("back", RULE.replace(max_size=256))
+    good = reg.artifact("back", 2)[1]
+    set_artifact(reg, "back", 2, flip_a_byte(good))
+    reg.promote("back", 1)
+    changes, refused = [], []
+    w = PolicyWatcher("registry://back@production", changes.append, refused.append, registry_url=sqlite_url,
+                      current_version=1)  # fmt: skip
+    reg.promote("back", 2)
+    assert w.check_now() is False and len(refused) == 1
+    reg.promote("back", 1)  # rolled back while the artifact is mended
+    assert w.check_now() is False and w.refused_version is None
+    set_artifact(reg, "back", 2, good)
+    reg.promote("back", 2)
+    assert w.check_now() is True and [c.version for c in changes] == [2] and len(refused) == 1
+
+
+def test_an_unreadable_artifact_uri_is_retried_not_refused(sqlite_url: str, tmp_path: Path) -> None:
+    """Storage that cannot be reached says nothing against the version: the watcher tries it again."""
+    from store.errors import ArtifactUnavailable
+
+    reg = Registry(sqlite_url)
+    reg.register("far", RULE)
+    info = reg.register("far", RULE.replace(max_size=256), artifact_store=str(tmp_path / "my store"))
+    assert "%20" in info.artifact_uri  # a path with a space, written percent-encoded
+    assert resolve_ref("registry://far@2", sqlite_url).policy.max_size == 256  # and read back
+    reg.promote("far", 1)
+    (tmp_path / "my store").rename(tmp_path / "away")
+    changes, refused = [], []
+    w = PolicyWatcher("registry://far@production", changes.append, refused.append, registry_url=sqlite_url,
+                      current_version=1)  # fmt: skip
+    reg.promote("far", 2)
+    with pytest.raises(ArtifactUnavailable):
+        w.check_now()
+    assert not refused and w.refused_version is None and w.current_version == 1
+    (tmp_path / "away").rename(tmp_path / "my store")
+    assert w.check_now() is True and [c.version for c in changes] == [2]
+
+
 # ------------------------------------------------------------------------------------------------ the gate
 def test_the_gate_refuses_a_worse_candidate_and_accepts_a_better_one(
     sqlite_url: str, capsys: pytest.CaptureFixture[str]

@@ -88,3 +88,47 @@ def test_alias_moves_swap_the_policy_and_corrupt_versions_are_refused(server, re
     assert server.request("GET", "/health")[0] == 200
     out = client.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
     assert out.usage.completion_tokens >= 1
+
+
+class _EngineThreadRecorder:
+    """What ``follow_registry`` hands policies to, recorded (the engine thread's two calls it makes)."""
+
+    def __init__(self) -> None:
+        self.applied: list[CachePolicy] = []
+        self.refused: list[str] = []
+
+    def set_policy(self, policy, *, source, version, name=None):
+        from concurrent.futures import Future
+
+        self.applied.append(policy)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def refuse_policy(self, source, reason) -> None:
+        self.refused.append(reason)
+
+
+def test_a_followed_version_keeps_the_servers_overrides(tmp_path):
+    """``confkv serve --policy registry://... --override k=v`` applies the override to every version it swaps in,
+    as it did to the start policy; a version the override cannot apply to is refused."""
+    from confkv.server.policy_sources import follow_registry
+
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    r = registry.Registry(url)
+    r.register("ovr", CachePolicy(controller="window", max_size=96))
+    r.promote("ovr", 1)
+    et = _EngineThreadRecorder()
+    w = follow_registry("registry://ovr@production", et, registry_url=url, interval_s=0.05, current_version=1,
+                        overrides=["max_size=64"])  # fmt: skip
+    try:
+        r.register("ovr", CachePolicy(controller="window", max_size=128))
+        r.promote("ovr", 2)
+        wait_for(lambda: et.applied, "the promotion was not followed")
+        assert et.applied[0].max_size == 64 and et.applied[0].controller == "window"
+        r.register("ovr", CachePolicy(controller="dynamic", base_size=128, max_size=256, min_recent=32))
+        r.promote("ovr", 3)  # max_size 64 under base_size 128: the override does not apply to this version
+        wait_for(lambda: et.refused, "the version the override cannot apply to was not refused")
+        assert len(et.applied) == 1 and "max_size" in et.refused[0] and w.current_version == 2
+    finally:
+        w.stop()

@@ -214,6 +214,7 @@ def serve(args: argparse.Namespace) -> int:
                     registry_url=args.registry_url,
                     interval_s=settings.policy_poll_s,
                     current_version=resolved.version,
+                    overrides=args.overrides,
                 )
             )
         try:

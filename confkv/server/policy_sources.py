@@ -130,14 +130,17 @@ def follow_registry(
     registry_url: str | None,
     interval_s: float,
     current_version: Any,
+    overrides: list[str] | None = None,
 ) -> Any:
-    """A started ``PolicyWatcher`` that swaps in each new version the reference points to."""
+    """A started ``PolicyWatcher`` that swaps in each new version the reference points to, with the server's
+    ``--override``s applied to it as they were to the start policy (one that does not apply refuses the version)."""
     from store.watcher import PolicyWatcher
 
     source = f"registry:{ref}"
 
     def on_change(resolved: Any) -> None:
-        apply_and_wait(engine_thread, resolved.policy, source, str(resolved.version), name=resolved.label)
+        policy = resolve_policy(resolved.policy, None, overrides) if overrides else resolved.policy
+        apply_and_wait(engine_thread, policy, source, str(resolved.version), name=resolved.label)
 
     def on_refused(reason: Any) -> None:
         engine_thread.refuse_policy(source, str(reason))
