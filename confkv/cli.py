@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from confkv.config import BUILTIN_POLICIES, CONTROLLER_NAMES
 from confkv.errors import ConfkvError
@@ -345,6 +346,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     out = args.out or calibration_path(args.model, args.cache_dir)
     if out is None:
         raise ConfkvError("calibration is off (CONFKV_CALIBRATION); name a file with --out")
+    if Path(out).is_dir() or str(out).endswith(("/", os.sep)):  # found before the scoring, not after it
+        raise ConfkvError(f"--out {out} is a folder; name the policy file to write ({Path(out) / 'calib.yaml'}, say)")
     text = _read_text(args.text_file, "text") if args.text_file else None
     result = calibrate(
         args.model, text=text, tokens=args.tokens, entropy_quantile=args.entropy_quantile,
@@ -399,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_libraries(args.verbose)
     commands = {"generate": cmd_generate, "score": cmd_score, "bench": cmd_bench, "serve": cmd_serve,
                 "calibrate": cmd_calibrate}  # fmt: skip
-    return run_command("confkv", commands[args.command], args)
+    return run_command("confkv", commands[args.command], args, user_errors=(OSError,))
 
 
 if __name__ == "__main__":

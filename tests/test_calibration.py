@@ -68,3 +68,9 @@ def test_calibrate_errors(tmp_path, monkeypatch, capsys):
     short.write_text("too short")
     assert confkv_main(["calibrate", "--model", "tiny-random", "--text-file", str(short), "--out", out]) == 2
     assert "too short" in capsys.readouterr().err
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for bad in (str(folder), str(tmp_path / "new") + "/"):  # refused before the scoring, with no temporary left
+        assert confkv_main(["calibrate", "--model", "tiny-random", "--out", bad]) == 2
+        assert "is a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "short.txt"]
