@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -42,8 +43,10 @@ DEFAULT_TRIALS = 24
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    from envs.episodes import TUNE_WORKLOADS  # the list ``_data`` checks against, so the help cannot fall behind
+
     p.add_argument("--model", default=os.environ.get("CONFKV_MODEL", "smollm2-135m"))
-    p.add_argument("--workload", default="mixed", help="mixed (default), prose, longgen, chat, passkey")
+    p.add_argument("--workload", default="mixed", help=f"one of {', '.join(TUNE_WORKLOADS)} (default mixed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -148,7 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "SQLite file ~/.local/share/confkv/registry.db)")  # fmt: skip
 
     ev = sub.add_parser("eval", help="evaluate a policy on a workload split")
-    ev.add_argument("policy", help="YAML file, exported folder, built-in name, or 'default'")
+    ev.add_argument(
+        "policy",
+        help="YAML file, exported folder, registry://NAME@ALIAS (or @VERSION), built-in name, 'default' (the dynamic "
+        "rule sized for the episodes) or 'calibrated' (that rule with the model's calibrated thresholds)",
+    )
     _common(ev)
     ev.add_argument("--split", choices=["train", "heldout"], default="heldout")
     ev.add_argument("--json", action="store_true")
@@ -177,6 +184,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_registry_commands(sub)
     return parser
+
+
+def _finite(flag: str, value: float | None) -> None:
+    """Refuse NaN and infinity: they pass every range check (a comparison with NaN is false) and then poison the
+    reward, the optimiser or the JSON printed (``NaN`` is not JSON)."""
+    if value is not None and not math.isfinite(value):
+        raise ConfkvError(f"{flag} must be a finite number (got {value})")
+
+
+def _check_weights(args: argparse.Namespace) -> None:
+    """The reward weights, checked before the model loads (``_weights`` is read after)."""
+    for name in ("memory_weight", "quality_weight", "task_weight"):
+        _finite("--" + name.replace("_", "-"), getattr(args, name))
+
+
+def _out_dir(path: str) -> Path:
+    """Create ``--out`` before the model loads: an existing file there (or a parent that is a file) would otherwise
+    surface only after minutes of loading, as a traceback from ``mkdir``."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfkvError(f"--out {path} is an existing file; give a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfkvError(f"cannot create --out {path}: {err.strerror or err}") from None
+    return out
 
 
 def _weights(args: argparse.Namespace):
@@ -252,8 +285,9 @@ def _ent_coef(text: str, algo: str) -> float | str:
         value = float(text.removeprefix("auto").removeprefix("_") or 1) if auto else float(text)
     except ValueError:
         value = -1.0
-    if value < 0 or (auto and value == 0):
-        raise ConfkvError(f"--ent-coef must be a number >= 0 (sac also: auto, auto_X with X > 0); got {text!r}")
+    if not math.isfinite(value) or value < 0 or (auto and value == 0):
+        raise ConfkvError(f"--ent-coef must be a number >= 0, not NaN or infinite (sac also: auto, auto_X with "
+                          f"finite X > 0); got {text!r}")  # fmt: skip
     return text if auto else value
 
 
@@ -267,10 +301,15 @@ def _preset(args: argparse.Namespace) -> Any:
                if getattr(args, k) is not None}  # fmt: skip
     if args.n_envs is not None:
         changes["n_envs"] = args.n_envs
+    for name in ("learning_rate", "log_std_init", "gamma"):
+        _finite("--" + name.replace("_", "-"), changes.get(name))
     signed = ("eval_every", "log_std_init", "gamma", "learning_starts", "ent_coef")  # checked on their own
     positive = [v for k, v in changes.items() if k not in signed]
-    if any(v <= 0 for v in positive) or changes.get("eval_every", 0) < 0:
+    if any(v <= 0 for v in positive):
         raise ConfkvError("--n-envs, --n-steps, --batch-size, --n-epochs and --learning-rate must be positive")
+    if changes.get("eval_every", 0) < 0:
+        raise ConfkvError("--eval-every must be at least 0 (0: evaluate only before the first update and after the "
+                          "last)")  # fmt: skip
     if not 0 <= changes.get("gamma", 0) <= 1 or changes.get("learning_starts", 0) < 0:
         raise ConfkvError("--gamma must be in [0, 1] and --learning-starts at least 0")
     if "ent_coef" in changes:
@@ -283,6 +322,14 @@ def _preset(args: argparse.Namespace) -> Any:
     rollout = preset.n_steps * preset.n_envs
     if args.algo == "ppo" and preset.batch_size > rollout and args.batch_size is None:
         preset = dataclasses.replace(preset, batch_size=rollout)  # a minibatch no larger than a rollout
+    if args.algo == "ppo":
+        # stable-baselines3 asserts both (advantages are normalised over a minibatch), after the model has loaded
+        if rollout < 2:
+            one = " (--mode decode runs one episode at a time)" if args.mode == "decode" else ""
+            raise ConfkvError(f"ppo needs a rollout of at least 2 segments: --n-steps x --n-envs is "
+                              f"{preset.n_steps} x {preset.n_envs}{one}")  # fmt: skip
+        if preset.batch_size < 2:
+            raise ConfkvError(f"ppo needs --batch-size of at least 2 (got {preset.batch_size})")
     return preset
 
 
@@ -315,7 +362,7 @@ def _warm_start(args: argparse.Namespace, data: Any, scorers: list[str]) -> dict
 def cmd_train(args: argparse.Namespace) -> int:
     from envs.evaluate import evaluate_policy
     from tuner.search import space_description
-    from tuner.tracking import log_artifact_file, log_artifacts, log_metrics, mlflow_run, set_tags
+    from tuner.tracking import check_tracking_uri, log_artifact_file, log_artifacts, log_metrics, mlflow_run, set_tags
 
     if args.algo == "optuna" and args.timesteps is not None:
         raise ConfkvError("--algo optuna takes --trials")
@@ -333,6 +380,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("--learning-starts is for sac")
     if args.validation_fraction is not None and args.algo == "optuna":
         raise ConfkvError("--validation-fraction is for ppo or sac (optuna keeps its best trial on all items)")
+    if args.mode != "teacher" and args.algo == "optuna":
+        raise ConfkvError("--mode decode is for ppo or sac (optuna scores its trials teacher-forced)")
+    if args.objectives != "reward" and args.algo != "optuna":
+        raise ConfkvError(f"--objectives {args.objectives} is for optuna (ppo and sac maximise the reward)")
+    _check_weights(args)
     scorers = _scorers(args)
     params: dict[str, Any] = {}
     if args.algo == "optuna":
@@ -359,8 +411,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(describe(args.algo, args.timesteps, args.n_envs, preset), file=sys.stderr)
         params.update(preset_params(preset))
         params.update({f"{args.algo}_{k}": v for k, v in plan.items()})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir(args.out)
+    check_tracking_uri(args.tracking_uri)
+    settings = _check_study(args, out, scorers) if args.algo == "optuna" else None
     t0 = time.perf_counter()
     data = _data(args, "train")
     if len(scorers) == 1:
@@ -394,7 +447,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             log_metrics({"init_reward": start["reward"], "init_kv_fraction": start["kv_fraction"],
                          "init_kl": start["kl_mean"]}, step=0)  # fmt: skip
         if args.algo == "optuna":
-            policy = _train_optuna(args, data, weights, out, log_metrics, lineage, scorers)
+            policy = _train_optuna(args, data, weights, out, log_metrics, lineage, scorers, settings or {})
             policy_dir.mkdir(exist_ok=True)
             import yaml
 
@@ -463,16 +516,50 @@ def _register_result(
     return {"name": name, "version": info.version, "ref": f"registry://{info.ref}", "url": reg.url}
 
 
+def _check_study(args: argparse.Namespace, out: Path, scorers: list[str]) -> dict[str, Any]:
+    """Fix the study's storage and name (``args.storage``, ``args.study``) and refuse, before the model loads, to
+    resume a stored study created under other settings: the name says only model, workload and objectives, and
+    trials scored under another reward (or on other items: ``--seed`` picks them) are not comparable. Returns the
+    settings, which a new study records (``tuner.search.search``)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    from envs.episodes import default_base_policy
+    from tuner.search import open_study, settings_conflicts
+
+    if args.storage:
+        try:
+            make_url(args.storage)
+        except ArgumentError:
+            raise ConfkvError(f"--storage must be a database URL such as sqlite:///{args.storage} (got "
+                              f"{args.storage!r})") from None  # fmt: skip
+    args.storage = args.storage or f"sqlite:///{(out / 'optuna.db').resolve()}"
+    args.study = args.study or f"confkv-{Path(args.model).name}-{args.workload}-{args.objectives}"
+    settings = {
+        "model": args.model, "workload": args.workload, "objectives": args.objectives, "seed": args.seed,
+        "items_scale": args.items_scale, "memory_weight": args.memory_weight, "quality_weight": args.quality_weight,
+        "task_weight": args.task_weight,
+        "scorer": ",".join(scorers) if scorers else default_base_policy(args.model).effective_scorer,
+    }  # fmt: skip
+    study = open_study(args.storage, args.study)
+    differ = settings_conflicts(study, settings) if study is not None else {}
+    if differ:
+        what = "; ".join(f"--{k.replace('_', '-')} {old} (now {new})" for k, (old, new) in differ.items())
+        raise ConfkvError(f"optuna study {args.study!r} in {args.storage} was created with other settings: {what}; "
+                          "resume it with those, or start a new study with --study NAME, --storage URL or another "
+                          "--out")  # fmt: skip
+    return settings
+
+
 def _train_optuna(
     args: argparse.Namespace, data: Any, weights: Any, out: Path, log_metrics: Any, lineage: dict[str, Any],
-    scorers: list[str],
+    scorers: list[str], settings: dict[str, Any],
 ) -> CachePolicy:  # fmt: skip
     from confkv.calibration import calibrated_thresholds
     from tuner.search import best_policy, best_trial, search
     from tuner.tracking import set_tags
 
-    storage = args.storage or f"sqlite:///{(out / 'optuna.db').resolve()}"
-    study_name = args.study or f"confkv-{Path(args.model).name}-{args.workload}-{args.objectives}"
+    storage, study_name = args.storage, args.study  # set by _check_study
     xs: list[float] = []
     ys: list[float] = []
 
@@ -487,7 +574,7 @@ def _train_optuna(
     seeds = [data.base_policy.replace(**calibrated)] if calibrated else []
     study = search(data, args.trials, storage=storage, study_name=study_name, objectives=args.objectives,
                    weights=weights, seed=args.seed, on_trial=on_trial, progress=sys.stderr.isatty(),
-                   scorers=scorers, seeds=seeds)  # fmt: skip
+                   scorers=scorers, seeds=seeds, settings=settings)  # fmt: skip
     if xs:
         import matplotlib
 
@@ -636,6 +723,11 @@ def _maybe_run(args: argparse.Namespace, name: str, params: dict[str, Any], kind
 def cmd_eval(args: argparse.Namespace) -> int:
     from envs.evaluate import evaluate_policy
 
+    _check_weights(args)
+    if not args.no_mlflow:
+        from tuner.tracking import check_tracking_uri
+
+        check_tracking_uri(args.tracking_uri)
     data = _data(args, args.split)
     policy = resolve_policy_arg(args.policy, data.base_policy, args.model, args.cache_dir)
     weights = _weights(args)
@@ -662,7 +754,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from confkv.calibration import calibrated_thresholds
     from envs.evaluate import evaluate_policy
+    from tuner.tracking import check_tracking_uri, metric_key
 
+    _check_weights(args)
+    out = _out_dir(args.out)
+    if not args.no_mlflow:
+        check_tracking_uri(args.tracking_uri)
     data = _data(args, args.split)
     named: list[tuple[str, CachePolicy]] = [("default", data.base_policy)]
     if calibrated_thresholds(args.model, args.cache_dir):
@@ -678,9 +775,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     params = {"model": args.model, "workload": args.workload, "split": args.split, "seed": args.seed,
               "episodes": len(data.episodes), "items_scale": args.items_scale,
               "policies": ",".join(n for n, _ in named), **_weights(args).__dict__,
-              **{f"policy.{item.partition('=')[0]}": item.partition("=")[2] for item in args.policy}}  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+              # a policy's name is free text; as part of a parameter key it must be what MLflow accepts
+              **{f"policy.{metric_key(item.partition('=')[0])}": item.partition("=")[2]
+                 for item in args.policy}}  # fmt: skip
     with _maybe_run(args, f"compare-{args.model}-{args.workload}-{args.split}", params, "compare"):
         rows = []
         for name, policy in named:
@@ -718,7 +815,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         fig.savefig(out / "compare.png", dpi=110)
         plt.close(fig)
         if not args.no_mlflow:
-            from tuner.tracking import log_artifact_file, log_metrics, metric_key
+            from tuner.tracking import log_artifact_file, log_metrics
 
             for r in rows:
                 log_metrics(
@@ -738,12 +835,31 @@ def cmd_export(args: argparse.Namespace) -> int:
         return export_registry(args)
     try:
         path = download_policy(args.run, args.out, args.tracking_uri)
+    except ConfkvError:
+        raise
     except Exception as err:  # MLflow raises several types for an unknown run or artifact
         raise ConfkvError(f"cannot export run {args.run!r}: {str(err).splitlines()[0]} "
                           "(a registered policy is named NAME@ALIAS or NAME@VERSION)") from None  # fmt: skip
     load_policy_file(path)  # it must load
     print(str(path))
     return 0
+
+
+def _mlflow_errors_are_user_errors(command: Any) -> Any:
+    """MLflow's own refusals (a store it cannot open, a value it rejects) as one line, not a traceback: the last
+    resort behind the up-front checks. Matched without importing MLflow: if it was never imported, it raised nothing."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except Exception as err:
+            exceptions = sys.modules.get("mlflow.exceptions")
+            if exceptions is not None and isinstance(err, exceptions.MlflowException):
+                message = str(err).strip().splitlines()
+                raise ConfkvError(f"MLflow: {message[0] if message else type(err).__name__}") from None
+            raise
+
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -761,7 +877,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "register": rc.wrap_exit1(rc.cmd_register), "policies": rc.wrap_exit1(rc.cmd_policies),
         "promote": rc.wrap_exit1(rc.cmd_promote), "rollback": rc.wrap_exit1(rc.cmd_rollback),
     }  # fmt: skip
-    return run_command("confkv-tune", commands[args.command], args, user_errors=(ValueError,))
+    # OSError: a path that cannot be read or written, reported as one line when no earlier check caught it
+    command = _mlflow_errors_are_user_errors(commands[args.command])
+    return run_command("confkv-tune", command, args, user_errors=(ValueError, OSError))
 
 
 if __name__ == "__main__":

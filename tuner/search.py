@@ -13,23 +13,32 @@ groups so that a clearly bad trial is pruned after its first group (median prune
 (Optuna cannot prune multi-objective trials, so every trial runs to the end). The first trial of a new study is
 the base policy itself (``enqueue_trial``), then any ``seeds`` (say, a calibrated policy), so the search starts
 from the hand-set rule and its best is never worse on the training episodes. Studies live in an RDB storage
-(SQLite by default), so a search resumes where it stopped.
+(SQLite by default), so a search resumes where it stopped. A study records the settings that define its objective
+(``settings``: reward weights, the seed that picks the items, their scale, the scorers...) as a user attribute
+when it is created, and a resume under other settings is refused: trials scored under one reward are not
+comparable with trials scored under another, and the best of such a mix is meaningless.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optuna
 
 from confkv.config import CachePolicy
+from confkv.errors import ConfkvError
 from confkv.learned import KnobSpace
 from envs.env import RewardWeights, knob_space
 from envs.episodes import TuneData
 from envs.evaluate import evaluate_policy
 
 SEARCHED = ("entropy_threshold", "gap_threshold", "scaling_factor", "base_size", "max_size")
+#: The study user attribute holding the settings it was created with (``search``'s ``settings``).
+SETTINGS_ATTR = "confkv_settings"
+
+log = logging.getLogger(__name__)
 
 
 def suggest_policy(trial: optuna.Trial, base: CachePolicy, scorers: Sequence[str] = ()) -> CachePolicy:
@@ -79,6 +88,30 @@ def space_description(base: CachePolicy, scorers: Sequence[str] = ()) -> dict[st
     return out
 
 
+def open_study(storage: str, study_name: str) -> optuna.Study | None:
+    """The stored study of that name, or None when there is none, so that a caller can check a resume before it
+    loads a model; a storage that cannot be reached (or is no database URL) is a ``ConfkvError``, not a traceback."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        return optuna.load_study(study_name=study_name, storage=storage)
+    except KeyError:  # optuna's "Record does not exist."
+        return None
+    except (SQLAlchemyError, ImportError, optuna.exceptions.OptunaError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfkvError(f"cannot open the optuna storage {storage}: {first}") from None
+
+
+def settings_conflicts(study: optuna.Study, settings: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{name: (recorded, now)}`` for each setting that differs from what ``study`` recorded when it was created
+    (nothing for a study that recorded none, nor for a setting it did not record: what was not recorded cannot be
+    checked, and a setting added later must not lock every older study)."""
+    recorded = study.user_attrs.get(SETTINGS_ATTR)
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: (recorded[k], v) for k, v in settings.items() if k in recorded and recorded[k] != v}
+
+
 def search(
     data: TuneData,
     trials: int,
@@ -93,9 +126,11 @@ def search(
     on_trial: Callable[[optuna.trial.FrozenTrial, dict[str, Any]], None] | None = None,
     scorers: Sequence[str] = (),
     seeds: Sequence[CachePolicy] = (),
+    settings: Mapping[str, Any] | None = None,
 ) -> optuna.Study:
     """Run ``trials`` more trials of a (new or resumed) study; ``scorers``: several to search the scorer too;
-    ``seeds``: policies tried right after the base policy in a new study."""
+    ``seeds``: policies tried right after the base policy in a new study; ``settings``: JSON values that define
+    the objective, recorded by a new study and required to match when one is resumed (``ConfkvError`` otherwise)."""
     weights = weights or RewardWeights()
     base = data.base_policy
     sampler = optuna.samplers.TPESampler(seed=seed)
@@ -111,6 +146,17 @@ def search(
         )  # fmt: skip
     else:
         raise ValueError("objectives must be 'reward' or 'pareto'")
+    if settings is not None:
+        differ = settings_conflicts(study, settings)
+        if differ:
+            what = "; ".join(f"{k} {old!r} (now {new!r})" for k, (old, new) in differ.items())
+            raise ConfkvError(f"optuna study {study_name!r} was created with other settings ({what}); resume it "
+                              "with those, or start a new study under another name or storage")  # fmt: skip
+        if SETTINGS_ATTR not in study.user_attrs:
+            if study.trials:
+                log.warning("optuna study %r predates recorded settings; resuming it, its settings are now taken "
+                            "to be %s", study_name, dict(settings))  # fmt: skip
+            study.set_user_attr(SETTINGS_ATTR, dict(settings))
     if not study.trials:  # a new study: the hand-set rule first
         for i, policy in enumerate((base, *seeds)):
             study.enqueue_trial(params_of(policy, base, scorers), user_attrs={"enqueued": "default" if i == 0 else

@@ -15,11 +15,15 @@ import functools
 import logging
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from confkv.errors import ConfkvError
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 EXPERIMENT = "confkv-tune"
@@ -51,6 +55,29 @@ def git_commit() -> dict[str, str]:
 def metric_key(name: str) -> str:
     """A name MLflow accepts as (part of) a metric key: letters, digits, ``_ - . /`` and spaces."""
     return re.sub(r"[^A-Za-z0-9_\-./ ]+", "_", name)
+
+
+def check_tracking_uri(uri: str | None) -> None:
+    """Refuse a tracking URI whose scheme no MLflow tracking store (plugins included) takes, before a command loads
+    its model: MLflow itself only fails when the run starts, with a traceback. Anything MLflow knows passes (paths,
+    ``file:``, ``sqlite:``, ``postgresql:``, ``http(s):``, ``databricks``...); whether the store is reachable is
+    found out when the run starts."""
+    if uri is None:
+        return
+    _quiet()
+    from mlflow.exceptions import MlflowException
+
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
+    except ImportError:  # a private name: if MLflow moves it, the run itself reports the URI (see tuner.cli.main)
+        return
+    _quiet()
+    try:
+        registry.get_store_builder(uri)
+    except MlflowException:
+        known = ", ".join(s for s in getattr(registry, "_registry", {}) if s) or "file, sqlite, http, https"
+        raise ConfkvError(f"--tracking-uri {uri!r} is not a URI MLflow can track to; give a folder path or a URI "
+                          f"of one of the schemes {known}") from None  # fmt: skip
 
 
 @contextmanager
@@ -108,11 +135,30 @@ def log_dict(doc: Any, name: str) -> None:
 
 
 def download_policy(run_id: str, out: str | Path, tracking_uri: str | None) -> Path:
+    """Write a run's exported policy under ``out`` and return what to load: ``out/policy`` (a folder), or ``out``
+    itself when it names a ``.yaml``/``.yml`` file and the policy is a rule one, as ``export`` from the registry
+    does. A learned policy is a folder (the network beside its YAML), so a file name for it is refused rather than
+    becoming a folder named like a file."""
     _quiet()
     import mlflow
 
+    from confkv.config import load_policy_file
+
     mlflow.set_tracking_uri(tracking_uri or DEFAULT_TRACKING_URI)
     out = Path(out)
+    if out.suffix in (".yaml", ".yml"):
+        if out.is_dir():
+            raise ConfkvError(f"--out {out} is an existing folder, not a YAML file")
+        with tempfile.TemporaryDirectory(prefix="confkv-export-") as tmp:
+            folder = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="policy", dst_path=tmp))
+            policy = load_policy_file(folder)
+            if policy.controller == "learned" or policy.learned_path is not None:
+                raise ConfkvError(f"run {run_id} holds a learned policy: it exports to a folder, not to {out}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / "policy.yaml", out)
+        return out
+    if out.exists() and not out.is_dir():
+        raise ConfkvError(f"--out {out} is an existing file; give a folder (or a .yaml name for a rule policy)")
     out.mkdir(parents=True, exist_ok=True)
     path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="policy", dst_path=str(out))
     return Path(path)
