@@ -229,7 +229,9 @@ def test_unknown_model_and_policy():
 @pytest.mark.parametrize("policy", ["full", "h2o"])
 def test_never_written_pool_memory_cannot_reach_attention(policy):
     """Decode attention reads whole blocks, unfilled tails included: memory never written (which ``torch.empty``
-    may hand out as NaN) must not leak into any output. The pool is poisoned as a fresh process might find it."""
+    may hand out as NaN), or left in freed blocks by a request that failed on non-finite values, must not leak into
+    any output. The pool is poisoned as a fresh process might find it, then again after a first run has used and
+    freed its blocks."""
     # lengths that leave blocks part-filled
     prompts = PROMPTS[:3]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0) for n in (21, 9, 14)]
@@ -239,11 +241,14 @@ def test_never_written_pool_memory_cannot_reach_attention(policy):
     pool = llm.engine.pool
     pool.k.fill_(float("nan"))
     pool.v.fill_(float("nan"))
-    pool._zeroed = [False] * pool.num_blocks
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == expected
-    assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
-    assert all(math.isfinite(t.logprob) for o in outs for t in o.logprobs)
+    for _ in range(2):
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected
+        assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
+        assert all(math.isfinite(t.logprob) for o in outs for t in o.logprobs)
+        assert pool.num_used == 0
+        pool.k.fill_(float("nan"))  # every block freed, as a failed request would leave them
+        pool.v.fill_(float("nan"))
 
 
 def test_allocator_thresholds_are_set_once_on_glibc():

@@ -202,3 +202,50 @@ def test_a_request_that_can_never_fit_fails_alone(tiny):
     assert done["long"].finish_reason == "error" and "KV blocks" in done["long"].error
     assert len(done["short"].token_ids) == 40 and done["short"].finish_reason == "length"
     assert engine.pool.num_used == 0
+
+
+def test_a_failing_second_pass_fails_only_its_own_request(tiny, monkeypatch):
+    """A recall's second pass (a rerun chunk, which reserves nothing) that keeps failing when run alone finishes its
+    own request with an error; the request batched with it gives its solo output."""
+    kw = dict(base_size=32, max_size=256, min_recent=32, sink_tokens=4, scaling_factor=0.001,
+              entropy_threshold=4.0358, compact_interval=1, kv_cache_memory="8MiB")  # fmt: skip
+    prompt = "Budgets move with confidence; the cache follows the budget. " * 2
+    params = greedy(48)
+    alone = LLM("tiny-random", "dynamic", loaded=fresh_tiny(), **kw).generate(prompt, params)[0].token_ids
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, **kw)
+    engine = llm.engine
+    run = engine.runner.run
+
+    def flaky(chunks, **k):
+        if any(ch.rerun and ch.seq.request_id == "bad" for ch in chunks):
+            raise RuntimeError("injected fault in a second pass")
+        return run(chunks, **k)
+
+    monkeypatch.setattr(engine.runner, "run", flaky)
+    engine.add_request("good", prompt, params)
+    engine.add_request("bad", prompt, params)
+    done, _ = _step_all(engine)
+    assert done["bad"].finish_reason == "error" and "second pass" in done["bad"].error
+    assert done["good"].token_ids == alone and engine.num_reruns > 0
+    assert engine.pool.num_used == 0
+
+
+def test_a_swap_keeps_a_request_whose_overrides_do_not_apply(tiny):
+    """A request whose overrides the new policy cannot take (a scorer a preset does not use) finishes under the
+    policy it had, with its solo output; the swap itself is applied whole and new requests run under it."""
+    params = greedy(24)
+    kw = dict(base_size=32, max_size=64, min_recent=16, kv_cache_memory="8MiB")
+    alone = LLM("tiny-random", "dynamic", loaded=fresh_tiny(), scorer="h2o", **kw).generate(PROMPTS[0], params)
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, **kw)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], params, policy_overrides={"scorer": "h2o"})
+    engine.step()
+    swaps = engine.policy_swaps
+    engine.set_policy(CachePolicy(controller="window", max_size=64, min_recent=32, host_cache_memory=BLOCK_BYTES))
+    assert engine.policy_swaps == swaps + 1 and engine.policy.controller == "window"
+    assert engine.host.capacity_bytes == BLOCK_BYTES  # the swapped host size is the one in effect
+    engine.add_request("b", PROMPTS[1], params)
+    assert engine._seqs["b"].kv.controller.name == "window"
+    done, _ = _step_all(engine)
+    assert done["a"].token_ids == alone[0].token_ids
+    assert engine.pool.num_used == 0

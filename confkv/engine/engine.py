@@ -331,8 +331,10 @@ class LLMEngine:
         What carries over for every live sequence: its KV in every tier, block importance, the applied budget
         (clamped to the new policy's ``max_size``), the controller's budget (``Controller.adopt``: ``dynamic`` keeps
         it clamped to its range, fixed policies use their size) and the compaction tick. What resets: a learned
-        controller's knobs and segment. Per-request overrides are re-applied on top of the new policy. A smaller
-        budget is reached by the normal contraction, never by evicting at the swap.
+        controller's knobs and segment. Per-request overrides are re-applied on top of the new policy; a request
+        whose overrides do not apply to it (a scorer the new preset does not take, a ``base_size`` above its
+        ``max_size``) finishes under the policy it had. A smaller budget is reached by the normal contraction, never
+        by evicting at the swap; a smaller ``host_cache_memory`` drops the host tier's oldest blocks at once.
         """
         self._swap(policy, self._controller_of(policy), {"name": name or policy.controller, "version": version,
                                                          "source": source})  # fmt: skip
@@ -359,11 +361,19 @@ class LLMEngine:
         return make_controller(policy)
 
     def _swap(self, policy: CachePolicy, controller: Controller, info: dict[str, str | None]) -> None:
+        # every request's controller is built before anything changes, so that a swap is never half applied
+        plan: list[tuple[Sequence, Controller]] = []
+        for seq in self._seqs.values():
+            try:
+                plan.append((seq, controller.derive(policy.replace(**seq.overrides)) if seq.overrides else controller))
+            except ConfkvError as err:
+                log.warning("request %s keeps its policy: its overrides do not apply to the new one (%s)",
+                            seq.request_id, err)  # fmt: skip
         self.policy = policy
         self.controller = controller
         self.scheduler.set_watermarks(policy.memory_high_watermark, policy.low_watermark)
-        for seq in self._seqs.values():
-            c = controller.derive(policy.replace(**seq.overrides)) if seq.overrides else controller
+        self.manager._mark_dropped(self.host.resize(int(policy.host_cache_memory)))
+        for seq, c in plan:
             seq.ctrl = c.adopt(seq.ctrl)
             seq.kv.controller = c
             seq.kv.budget = min(seq.kv.budget, c.max_budget)
@@ -438,7 +448,8 @@ class LLMEngine:
             try:
                 done.append(([ch], self._run([ch])))
             except Exception as err:
-                self.manager.rollback(ch.seq.kv, ch.undo)
+                if ch.undo is not None:  # a second pass reserved nothing
+                    self.manager.rollback(ch.seq.kv, ch.undo)
                 outputs.append(self._fail(ch.seq, f"forward pass failed: {err}", "forward"))
         return done
 

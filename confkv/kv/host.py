@@ -60,18 +60,27 @@ class HostTier:
         k, v, score = k.to("cpu"), v.to("cpu"), score.to("cpu")
         if self.pin_memory:
             k, v = k.pin_memory(), v.pin_memory()
-        dropped: list[BlockKey] = []
         for j, idx in enumerate(indices):
             block = HostBlock(k=k[:, j].clone(), v=v[:, j].clone(), score=score[j].clone())
             key = (seq_id, idx)
             self._lru[key] = block
             self._by_seq.setdefault(seq_id, set()).add(idx)
             self.used_bytes += block.nbytes
+        dropped = self._trim()
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return dropped
+
+    def resize(self, capacity_bytes: int) -> list[BlockKey]:
+        """A new bound (a policy swap); returns what no longer fits and was dropped, as ``put`` does."""
+        self.capacity_bytes = int(capacity_bytes)
+        return self._trim()
+
+    def _trim(self) -> list[BlockKey]:
+        dropped: list[BlockKey] = []
         while self.used_bytes > self.capacity_bytes and self._lru:
             key, _ = self._pop_lru()
             dropped.append(key)
         self.dropped_blocks += len(dropped)
-        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return dropped
 
     def keys_of(self, seq_id: int, indices: list[int]) -> torch.Tensor:

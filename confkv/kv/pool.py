@@ -41,8 +41,9 @@ class BlockPool:
         self.dtype = dtype
         self.device = torch.device(device)
         slots = num_blocks * block_size
-        # torch.empty: pages are committed as blocks are first handed out (``allocate`` zeroes a block then, because
-        # decode attention reads whole blocks, masked tails included, and uninitialised memory may hold NaN).
+        # torch.empty: pages are committed as blocks are first handed out. ``allocate`` zeroes every block it hands
+        # out, because decode attention reads whole blocks, masked tails included (0 x NaN is NaN), and both
+        # uninitialised memory and a block freed by a request that failed on non-finite values may hold NaN.
         shape = (num_layers, slots, num_kv_heads, head_dim)
         try:
             self.k = torch.empty(shape, dtype=dtype, device=self.device)
@@ -55,7 +56,6 @@ class BlockPool:
         #: Attention mass each slot has received (summed over heads and layers); block importance for eviction.
         self.score = torch.zeros(slots, dtype=torch.float32, device=self.device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._zeroed = [False] * num_blocks
 
     @staticmethod
     def geometry(model_config: Any) -> tuple[int, int, int]:
@@ -104,13 +104,10 @@ class BlockPool:
             raise RuntimeError(f"KV pool exhausted: asked for {n} blocks, {len(self._free)} free")
         ids = [self._free.pop() for _ in range(n)]
         if ids:
-            self.score[self.slots_of(ids)] = 0.0
-            if fresh := [b for b in ids if not self._zeroed[b]]:
-                slots = self.slots_of(fresh)
-                self.k[:, slots] = 0.0
-                self.v[:, slots] = 0.0
-                for b in fresh:
-                    self._zeroed[b] = True
+            slots = self.slots_of(ids)
+            self.score[slots] = 0.0
+            self.k[:, slots] = 0.0
+            self.v[:, slots] = 0.0
         return ids
 
     def free(self, ids: list[int]) -> None:
