@@ -340,3 +340,20 @@ def test_a_second_pass_longer_than_a_step_is_cut_to_fit_it(tiny):
                        SamplingParams(max_tokens=32, ignore_eos=True))[0]  # fmt: skip
     assert len(out.token_ids) == 32 and llm.engine.num_reruns > 0
     assert llm.engine.rerun_tokens <= 16 * llm.engine.num_reruns
+
+
+def test_a_second_pass_as_long_as_a_step_does_not_wait_for_the_others(tiny):
+    """A rerun is scheduled before the other running sequences' tokens: one that takes a whole step's tokens would
+    otherwise wait until every sequence admitted before it had finished."""
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, base_size=32, max_size=256, min_recent=64, sink_tokens=4,
+              scaling_factor=0.001, entropy_threshold=4.0358, compact_interval=1, recompute_tokens=64,
+              max_num_batched_tokens=16, kv_cache_memory="8MiB")  # fmt: skip
+    engine = llm.engine
+    engine.add_request("long", "x", SamplingParams(max_tokens=300, ignore_eos=True),
+                       policy_overrides={"controller": "full"})  # fmt: skip
+    engine.add_request("peeks", "Budgets move with confidence; the cache follows the budget. " * 2,
+                       SamplingParams(max_tokens=32, ignore_eos=True))  # fmt: skip
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["peeks", "long"] and engine.num_reruns > 0

@@ -172,13 +172,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out = Schedule()
 
+        # second passes first: one can be as long as a whole step, and after the others' tokens it would not fit
+        # until they had all finished
+        for seq in self.running:
+            if seq.rerun and not seq.paused and budget >= seq.rerun:  # its slots are kept: nothing to reserve
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed - seq.rerun, seq.rerun, rerun=True))
+                budget -= seq.rerun
         for seq in list(self.running):
-            if seq not in self.running or seq.paused:  # preempted while making room for an earlier one
-                continue
-            if seq.rerun:  # its slots are kept: nothing to reserve
-                if budget >= seq.rerun:
-                    out.chunks.append(ScheduledChunk(seq, seq.num_computed - seq.rerun, seq.rerun, rerun=True))
-                    budget -= seq.rerun
+            # preempted while making room for an earlier one, or waiting for its second pass
+            if seq not in self.running or seq.paused or seq.rerun:
                 continue
             if seq.scored:  # fixed chunks whatever else runs, so a text scores the same alone or in any batch
                 n = self._scored_chunk(seq)
@@ -193,7 +195,11 @@ class Scheduler:
                     self.running.remove(seq)
                     out.failed.append((seq, self._too_big(seq)))
                     break
-                self._preempt(self.running[-1])
+                victim = self.running[-1]
+                self._preempt(victim)
+                if taken := [c for c in out.chunks if c.seq is victim]:  # its second pass, scheduled above
+                    out.chunks = [c for c in out.chunks if c.seq is not victim]
+                    budget += sum(c.num_tokens for c in taken)
                 if seq not in self.running:
                     break
             if seq not in self.running:
