@@ -249,3 +249,27 @@ def test_a_swap_keeps_a_request_whose_overrides_do_not_apply(tiny):
     done, _ = _step_all(engine)
     assert done["a"].token_ids == alone[0].token_ids
     assert engine.pool.num_used == 0
+
+
+def test_the_breaker_shrink_holds_for_a_sequence_reading_its_prompt(tiny):
+    """A sequence shrunk by the breaker while it reads a long prompt stays at its floor until the breaker resets:
+    it is not trimmed back only to ``max_size`` between chunks, nor set to its first budget when the prompt ends."""
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, kv_cache_memory=200 * BLOCK_BYTES, max_batch_size=4,
+              max_num_batched_tokens=32, base_size=64, max_size=256, min_recent=32, sink_tokens=4)  # fmt: skip
+    engine = llm.engine
+    engine.add_request("long", PROMPTS[1] * 12, greedy(8))
+    for _ in range(10):  # part of the prompt read, past max_size
+        engine.step()
+    seq = engine._seqs["long"]
+    assert not seq.prompt_done and seq.kv.table.resident_tokens() > 200
+    used = engine.pool.usage
+    engine.set_policy(engine.policy.replace(memory_high_watermark=used * 0.5, memory_low_watermark=used * 0.1))
+    floor = engine.manager.floor_tokens(seq.kv)
+    done, resident = {}, []
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.output) for o in engine.step() if o.finished)
+        if engine.scheduler.tripped and not done:
+            resident.append(seq.kv.table.resident_tokens())
+    assert engine.scheduler.breaker_trips == 1 and resident
+    assert max(resident) <= floor + 32 + engine.pool.block_size  # the floor plus the step's chunk
+    assert len(done["long"].token_ids) == 8 and engine.pool.num_used == 0

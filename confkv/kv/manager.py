@@ -15,7 +15,9 @@ How the applied budget moves:
 * contraction is applied every ``compact_interval`` tokens, so confident runs do not evict block by block; the same
   tick lets a budget that was held below the controller's (by the circuit breaker, or a full memory ledger) grow
   back, as far as the ledger allows, by new tokens and never by recall;
-* the circuit breaker lowers the applied budget itself (``shrink``), so what it frees stays free.
+* the circuit breaker lowers the applied budget itself (``shrink``), so what it frees stays free; a sequence still
+  reading its prompt (kept at up to ``max_size``) is capped there too (``cap``), and the cap rises, like a held
+  budget, only as far as the ledger allows; it bounds the budget set when the prompt ends, then is lifted.
 
 ``projected_blocks`` is what admission control reserves for a sequence: the most device blocks it can hold before
 its budget next changes. Reservations made for a step are undone by ``rollback`` when the forward pass fails.
@@ -86,6 +88,7 @@ class SequenceKV:
     budget: float
     since_compact: int = 0
     prompt_trimmed: bool = False  # whether the post-prompt size has been applied
+    cap: float = math.inf  # the circuit breaker's ceiling for a sequence reading its prompt
     stats: KVStats = field(default_factory=KVStats)
 
 
@@ -137,6 +140,7 @@ class CacheManager:
         kv.table = BlockTable(self.block_size)
         kv.since_compact = 0
         kv.prompt_trimmed = False
+        kv.cap = math.inf
         kv.stats.host_bytes = 0
 
     # ------------------------------------------------------------------------------------------------ allocation
@@ -180,7 +184,7 @@ class CacheManager:
         if not c.evicts:
             return table.blocks_for(total_tokens)
         if table.num_tokens < prompt_tokens:  # still reading the prompt
-            keep = self.prefill_keep(kv) + chunk
+            keep = min(self.prefill_keep(kv), kv.cap) + chunk
         else:
             floor = math.ceil(c.sink_tokens / bs) * bs + c.protected_recent + bs  # what eviction cannot go below
             keep = max(kv.budget, floor) + step_tokens
@@ -204,13 +208,17 @@ class CacheManager:
         if not c.evicts:
             return
         if not prompt_done:
-            keep = self.prefill_keep(kv)
+            if kv.cap < self.prefill_keep(kv):  # shrunk by the breaker: grows back only as the ledger allows
+                room = grow_room() if grow_room is not None else math.inf
+                kv.cap += max(0.0, room)
+            keep = min(self.prefill_keep(kv), kv.cap)
             if kv.table.resident_tokens() > keep:
                 self.evict_to(kv, keep)
             return
         if not kv.prompt_trimmed:  # the prompt was just read: come down to the post-prompt size at once
             kv.prompt_trimmed = True
-            kv.budget = target
+            kv.budget = min(target, kv.cap)
+            kv.cap = math.inf
             kv.since_compact = 0
         else:
             kv.since_compact += n_computed
@@ -230,6 +238,8 @@ class CacheManager:
         if not kv.controller.evicts:
             return 0
         kv.budget = min(kv.budget, max(float(self.floor_tokens(kv)), target))
+        if not kv.prompt_trimmed:  # reading its prompt, which keeps up to max_size whatever the budget
+            kv.cap = kv.budget
         return self.evict_to(kv, kv.budget)
 
     def _evictable(self, kv: SequenceKV) -> list[int]:
@@ -398,14 +408,14 @@ class CacheManager:
         them in the query's order: a block brought back carried the low record that had evicted it.
         """
         table, bs = kv.table, self.block_size
-        kv.budget = budget
+        kv.budget = min(budget, kv.cap)
         resident = self._evictable(kv)
         host = table.host_indices()
         candidates = resident + host
         if not candidates:
             return 0
         fixed = table.resident_tokens() - len(resident) * bs  # sinks and the recent window stay regardless
-        keep = max(0, int((budget - fixed) // bs))
+        keep = max(0, int((kv.budget - fixed) // bs))
         if keep >= len(candidates) and not host:
             return 0
         parts = []

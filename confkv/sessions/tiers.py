@@ -31,6 +31,7 @@ session restored under another policy than the one that wrote it continues under
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -208,6 +209,7 @@ class SessionTiers:
         kv.controller = seq.controller
         kv.stats = KVStats()
         kv.prompt_trimmed = False  # come down to the budget once the new turn is read
+        kv.cap = math.inf
         kv.budget = min(kv.budget, seq.controller.max_budget)
         seq.kv = kv
         manager._seqs[kv.seq_id] = kv
