@@ -72,7 +72,7 @@ def start_confkv(args: argparse.Namespace, policy: str) -> ServerProcess:
 
 def hf_model_folder(model: str) -> Path:
     """A local folder ``transformers serve`` can load offline for ``model``."""
-    from confkv.model_loader import SMOLLM2, TINY_RANDOM, cache_root, load_model
+    from confkv.model_loader import SMOLLM2, TINY_RANDOM, cache_root, load_model, model_folder
 
     if model == TINY_RANDOM:
         from confkv.model_loader import tiny_random_model, tiny_random_tokenizer
@@ -84,7 +84,7 @@ def hf_model_folder(model: str) -> Path:
             tiny_random_tokenizer().save_pretrained(folder)
         return folder
     if model == SMOLLM2:
-        folder = cache_root() / "models" / "smollm2-135m-instruct"
+        folder = model_folder(SMOLLM2)
         if not (folder / "config.json").is_file():
             load_model(SMOLLM2, device="cpu")  # converts the packaged GGUF once
         return folder

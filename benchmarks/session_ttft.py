@@ -110,7 +110,7 @@ def moto_s3() -> Iterator[tuple[str, dict[str, str]]]:
 # ---------------------------------------------------------------------------------------------------- prompts
 def token_counter(model: str, cache_dir: str | None) -> Callable[[str], int] | None:
     """The model's tokenizer as a counter (the server has converted smollm2 by now), or None when unknown."""
-    from confkv.model_loader import SMOLLM2, TINY_RANDOM, cache_root, tiny_random_tokenizer
+    from confkv.model_loader import TINY_RANDOM, model_folder, tiny_random_tokenizer
 
     try:
         if model == TINY_RANDOM:
@@ -118,8 +118,7 @@ def token_counter(model: str, cache_dir: str | None) -> Callable[[str], int] | N
         else:
             from transformers import AutoTokenizer
 
-            folder = cache_root(cache_dir) / "models" / "smollm2-135m-instruct" if model == SMOLLM2 else Path(model)
-            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(model_folder(model, cache_dir), local_files_only=True)
     except Exception:
         return None
     return lambda text: len(tok(text)["input_ids"])

