@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -277,6 +278,19 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def out_folder(path: str) -> Path:
+    """Create ``--out`` before any model loads: an existing file there (or a parent that is a file) would otherwise
+    surface only when the results are written, after minutes of loading or an hour of benchmark, as a traceback."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfkvError(f"--out {path} is an existing file; give a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfkvError(f"cannot create --out {path}: {err.strerror or err}") from None
+    return out
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from confkv.bench.report import write_report
     from confkv.bench.suite import run_suite
@@ -293,6 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from confkv.config import load_policy_file
 
         load_policy_file(f)
+    out_folder(args.out)
     results = run_suite(
         args.model,
         args.suite,
@@ -327,9 +342,10 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         load_policy_file(f)
     spec = TINY_THROUGHPUT if args.model == "tiny-random" else ThroughputSpec()
     changes = {"arrival_rate": args.arrival_rate, "requests": args.requests, "max_tokens": args.max_tokens}
-    if any(v is not None and v <= 0 for v in changes.values()):
-        raise ConfkvError("--arrival-rate, --requests and --max-tokens must be positive")
+    if any(v is not None and not (math.isfinite(v) and v > 0) for v in changes.values()):
+        raise ConfkvError("--arrival-rate, --requests and --max-tokens must be positive numbers")
     spec = dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
+    out_folder(args.out)
     results = run_throughput(
         args.model, policies, policy_files=args.policy_file, spec=spec, scenarios=scenarios, hf=not args.no_hf,
         device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed,

@@ -260,3 +260,37 @@ def test_plan_policies(tmp_path):
         ("window", None, "window"),
     ]
     assert alone[1].policy.max_size == 2 * dyn.base_size
+
+
+def test_throughput_rows_are_unique_and_bad_input_is_refused_before_the_run(tmp_path, capsys):
+    """A name given twice is one row and the same policy file twice two rows (they clashed: a result was
+    overwritten, and the run ended in a traceback after the whole scenario); an --out that is a file and a rate
+    that is not a number are refused before any model loads."""
+    policy = tmp_path / "dynamic.yaml"
+    policy.write_text("cache_policy: {controller: window, max_size: 64}\n")
+    out = tmp_path / "tp"
+    args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--policies", "full,full,dynamic",
+            "--policy-file", str(policy), "--policy-file", str(policy), "--scenarios", "burst", "--no-hf",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    rows = json.loads((out / "results.json").read_text())["policies"]
+    assert list(rows) == ["full", "dynamic", "dynamic-2", "dynamic-3"]
+    assert rows["dynamic-2"]["rougeL_vs_full"] <= 1.0 and rows["full"]["exact_match_vs_full"] == 1.0
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    for bad in (["--out", str(taken)], ["--out", str(out), "--arrival-rate", "nan"]):
+        assert main(["bench", "--model", "tiny-random", "--suite", "throughput", *bad]) == 2
+        err = capsys.readouterr().err
+        assert "existing file" in err or "must be positive" in err
+    assert main(["bench", "--model", "tiny-random", "--suite", "quick", "--out", str(taken)]) == 2
+    assert "existing file" in capsys.readouterr().err
+
+
+def test_a_pass_key_goes_at_a_boundary_before_its_depth():
+    from confkv.bench.passkey import _boundary
+
+    assert _boundary("One. Two three", 9) == 5  # after the sentence
+    assert _boundary("no sentence\nends here", 16) == 12  # else after the line
+    assert _boundary("hard-wrapped words only", 16) == 13  # else after a word
+    assert _boundary("unbroken", 5) == 0

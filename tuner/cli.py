@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from confkv.cli import out_folder
 from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
 from confkv.errors import ConfkvError
 
@@ -197,19 +198,6 @@ def _check_weights(args: argparse.Namespace) -> None:
     """The reward weights, checked before the model loads (``_weights`` is read after)."""
     for name in ("memory_weight", "quality_weight", "task_weight"):
         _finite("--" + name.replace("_", "-"), getattr(args, name))
-
-
-def _out_dir(path: str) -> Path:
-    """Create ``--out`` before the model loads: an existing file there (or a parent that is a file) would otherwise
-    surface only after minutes of loading, as a traceback from ``mkdir``."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise ConfkvError(f"--out {path} is an existing file; give a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfkvError(f"cannot create --out {path}: {err.strerror or err}") from None
-    return out
 
 
 def _weights(args: argparse.Namespace):
@@ -411,7 +399,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(describe(args.algo, args.timesteps, args.n_envs, preset), file=sys.stderr)
         params.update(preset_params(preset))
         params.update({f"{args.algo}_{k}": v for k, v in plan.items()})
-    out = _out_dir(args.out)
+    out = out_folder(args.out)
     check_tracking_uri(args.tracking_uri)
     settings = _check_study(args, out, scorers) if args.algo == "optuna" else None
     t0 = time.perf_counter()
@@ -757,7 +745,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from tuner.tracking import check_tracking_uri, metric_key
 
     _check_weights(args)
-    out = _out_dir(args.out)
+    out = out_folder(args.out)
     if not args.no_mlflow:
         check_tracking_uri(args.tracking_uri)
     data = _data(args, args.split)

@@ -29,6 +29,15 @@ class PasskeyItem:
         return self.key in answer
 
 
+def _boundary(text: str, at: int) -> int:
+    """Where to put the key at or before ``at``: after the last sentence, else after the last line or word (a
+    passage with no ". " before ``at`` put it after its first character, splitting a word, at any depth)."""
+    for sep in (". ", "\n", " "):
+        if (i := text.rfind(sep, 0, at)) >= 0:
+            return i + len(sep)
+    return 0
+
+
 def passkey_item(
     tokenizer: PreTrainedTokenizerBase,
     num_tokens: int,
@@ -59,7 +68,7 @@ def passkey_item(
         passage = split_passage(chars, seed, split) if split is not None else prose_passage(chars, seed)
         ids = tokenizer(passage)["input_ids"][: max(1, num_tokens - fixed)]
         text = tokenizer.decode(ids)
-        cut = text.rfind(". ", 0, round(len(text) * depth)) + 2 if depth > 0 else 0
+        cut = _boundary(text, round(len(text) * depth)) if depth > 0 else 0
         haystack_before, haystack_after = text[:cut], text[cut:]
         if haystack_before and not haystack_before.endswith("\n"):
             haystack_before += "\n"

@@ -584,6 +584,16 @@ class PlannedPolicy:
     matched_to: str | None = None
 
 
+def row_name(stem: str, taken: set[str]) -> str:
+    """A policy file's row name: its stem, numbered when taken (``dynamic.yaml`` beside the built-in ``dynamic``,
+    or the same file twice, keeps both rows); added to ``taken``."""
+    name, i = stem, 2
+    while name in taken:
+        name, i = f"{stem}-{i}", i + 1
+    taken.add(name)
+    return name
+
+
 def plan_policies(names: list[str], policy_files: list[str], dynamic: CachePolicy) -> list[PlannedPolicy]:
     """The run's policies in order: ``full``; each variant followed by its fixed baselines; fixed policy files.
 
@@ -596,13 +606,7 @@ def plan_policies(names: list[str], policy_files: list[str], dynamic: CachePolic
         if name not in BUILTIN_POLICIES:
             raise ConfkvError(f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)}")
     taken = set(names)
-    files: list[tuple[str, CachePolicy]] = []
-    for f in policy_files:
-        stem, name, i = Path(f).stem, Path(f).stem, 2
-        while name in taken:  # dynamic.yaml beside the built-in dynamic: keep both rows
-            name, i = f"{stem}-{i}", i + 1
-        taken.add(name)
-        files.append((name, load_policy_file(f)))
+    files = [(row_name(Path(f).stem, taken), load_policy_file(f)) for f in policy_files]
     plan: list[PlannedPolicy] = []
     if "full" in names:
         plan.append(PlannedPolicy("full", CachePolicy(controller="full")))

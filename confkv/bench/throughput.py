@@ -167,8 +167,10 @@ def run_engine_stream(llm: LLM, requests: list[StreamRequest]) -> StreamResult:
                 outputs[int(o.request_id)] = o.output
     makespan = time.perf_counter() - t0
     outs = [outputs[i] for i in range(len(requests))]
-    ttft = [o.timing["queue_s"] + o.timing["prefill_s"] for o in outs]
-    latency = [o.timing["queue_s"] + o.timing["prefill_s"] + o.timing["decode_s"] for o in outs]
+    # from the request's arrival, as for hf_static: one that arrived during a step was submitted only after it
+    late = [submitted[str(i)] - (t0 + requests[i].arrival_s) for i in range(len(requests))]
+    ttft = [d + o.timing["queue_s"] + o.timing["prefill_s"] for d, o in zip(late, outs, strict=True)]
+    latency = [t + o.timing["decode_s"] for t, o in zip(ttft, outs, strict=True)]
     generated = sum(o.generated_tokens for o in outs)
     kv_fraction = [o.kv["mean_resident_tokens"] / (o.prompt_tokens + (o.generated_tokens - 1) / 2) for o in outs]
     stats = engine.stats()
@@ -274,10 +276,11 @@ def _quality(result: StreamResult, reference: StreamResult) -> dict[str, float]:
 
 
 def _policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -> list[tuple[str, CachePolicy]]:
-    from confkv.bench.suite import baseline_policy
+    from confkv.bench.suite import baseline_policy, row_name
 
     dynamic = scaled_dynamic(spec.scale)
     out: list[tuple[str, CachePolicy]] = []
+    names = list(dict.fromkeys(names))  # a name given twice is one row
     for name in names:
         if name not in BUILTIN_POLICIES:
             raise ConfkvError(f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)}")
@@ -287,7 +290,8 @@ def _policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -
             out.append((name, dynamic))
         else:  # fixed baselines at dynamic's ceiling
             out.append((name, baseline_policy(dynamic, name, dynamic.max_size)))
-    out.extend((Path(f).stem, load_policy_file(f)) for f in policy_files)
+    taken = set(names)
+    out.extend((row_name(Path(f).stem, taken), load_policy_file(f)) for f in policy_files)
     if not any(p.controller == "full" for _, p in out):
         out.insert(0, ("full", CachePolicy(controller="full")))  # the quality reference
     out.sort(key=lambda p: p[1].controller != "full")
@@ -343,7 +347,7 @@ def run_throughput(
             log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
                 f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s "
                 f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
-        reference = next(r for (n, p), r in zip(chosen, results.values(), strict=True) if p.controller == "full")
+        reference = results[next(n for n, p in chosen if p.controller == "full")]
         full_rps = reference.metrics["requests_per_s"]
         section: dict[str, Any] = {"policies": {}}
         for name, result in results.items():
