@@ -481,6 +481,30 @@ def test_completions_default_max_tokens_is_clamped_to_the_limit(client):
         assert "max_tokens is 6; this server allows at most 5" in doc["error"]["message"]
 
 
+def test_null_means_the_default_as_openai_reads_it(server):
+    """The ``openai`` client sends ``null`` for any argument given as ``None``; ``n``, ``stream``, ``logprobs``,
+    ``echo`` and ``ignore_eos`` then take their defaults (they were a 400)."""
+    nulls = {"n": None, "stream": None, "ignore_eos": None}
+    status, doc = server.request("POST", "/v1/chat/completions", _chat_body(logprobs=None, **nulls))
+    assert status == 200 and doc["choices"][0].get("logprobs") is None, doc
+    status, doc = server.request("POST", "/v1/completions",
+                                 {"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": None, **nulls})  # fmt: skip
+    assert status == 200 and not doc["choices"][0]["text"].startswith("hi"), doc
+
+
+def test_an_ipv6_listening_line_is_a_url(tmp_path):
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with ServerProcess("--model", MODEL, "--kv-cache-memory", "1MiB", "--host", "::1") as proc:
+        assert proc.base_url.startswith("http://[::1]:")
+        assert proc.request("GET", "/health")[0] == 200
+
+
 def test_put_cache_policy_values_are_strict(server):
     status, start = server.request("GET", "/v1/cache_policy")
     assert status == 200

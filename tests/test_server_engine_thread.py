@@ -230,3 +230,46 @@ def test_stopping_writes_the_sessions_and_closes_the_engine():
     et.start()
     et.stop()
     assert not et.alive and engine.flushed and engine.closed
+
+
+def test_a_thread_that_dies_fails_its_requests_as_errors():
+    """A bug that kills the engine thread ends the requests in flight with an error (a 500, an SSE error event, a
+    counted failure), not with a clean ``abort`` that reads like a shutdown."""
+
+    class DyingEngine(FakeEngine):
+        def stats(self) -> dict:
+            if self.steps >= 1:
+                raise RuntimeError("stats broke")
+            return super().stats()
+
+    et = EngineThread(DyingEngine())
+    et.start()
+    try:
+        _, reason, error = asyncio.run(collect(et, "a", "fine"))
+    finally:
+        et.stop()
+    assert reason == "error" and "engine thread died" in error and "stats broke" in error
+    assert not et.alive and not et.healthy(60)
+
+
+def test_a_policy_put_to_a_stopped_engine_is_a_503():
+    from fastapi.testclient import TestClient
+
+    from confkv.server.app import ServerState, create_app
+    from confkv.server.settings import ServerSettings
+
+    engine = FakeEngine()
+    et = EngineThread(engine)
+    metrics = ServerMetrics(snapshot=lambda: et.stats_snapshot, policy_info=lambda: et.policy_snapshot[1],
+                            health=lambda: (False, False), device="cpu")  # fmt: skip
+    et.start()
+    et.stop()
+    app = create_app(ServerState(et, ServerSettings(api_key="k\u00e9y"), metrics))
+    client = TestClient(app)
+    body = {"controller": "window", "max_size": 64}
+    for token in (b"\xe9", b"wrong"):  # a header that is not ASCII is a wrong key too, not a 500
+        response = client.put("/v1/cache_policy", json=body, headers={"Authorization": b"Bearer " + token})
+        assert response.status_code == 401
+    key = {"Authorization": b"Bearer " + "k\u00e9y".encode()}  # the key's UTF-8 bytes, as a client sends them
+    response = client.put("/v1/cache_policy", json=body, headers=key)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"

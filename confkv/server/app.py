@@ -277,7 +277,9 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), settings.api_key):
+        # compared as bytes: compare_digest refuses str with non-ASCII characters (a header is read as latin-1)
+        given, key = token.strip().encode("latin-1", "replace"), settings.api_key.encode()
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given, key):
             raise APIError(
                 401, "missing or incorrect API key (send 'Authorization: Bearer KEY')", code="invalid_api_key"
             )
@@ -337,10 +339,17 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
                 422, format_validation_error(err, "cache policy"), param=param, code="invalid_value"
             ) from None
         version = hashlib.sha256(policy.model_dump_json().encode()).hexdigest()[:12]
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         try:
             await _await(et.set_policy(policy, source="api", version=version))
         except ConfkvError as err:
             raise APIError(422, str(err), param=_param_from_policy_message(str(err)), code="invalid_value") from None
+        except EngineUnavailable as err:
+            raise APIError(503, f"the engine is not available: {err}", code="engine_unavailable") from None
+        except TimeoutError:
+            raise APIError(503, "the engine did not answer in time; the policy may still be applied (GET "
+                           "/v1/cache_policy says)", code="engine_unavailable") from None  # fmt: skip
         return policy_doc()
 
     # -------------------------------------------------------------------------------------------- generation

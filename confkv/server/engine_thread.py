@@ -295,7 +295,10 @@ class EngineThread:
             self.fatal = f"{type(err).__name__}: {err}"
         finally:
             self._stopping = True
-            self._fail_all("server shutting down", reason="abort")
+            if self.fatal is not None:  # an error for every request in flight, counted as one, not a clean stop
+                self._fail_all(f"engine thread died: {self.fatal}")
+            else:
+                self._fail_all("server shutting down", reason="abort")
             self._refuse_pending()
             self._close_engine()
 

@@ -57,6 +57,7 @@ class DrainingServer(uvicorn.Server):
         for server in self.servers:
             for sock in server.sockets:
                 host, port = sock.getsockname()[:2]
+                host = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
                 # one parseable line: tests and scripts that asked for port 0 read the real port from it
                 print(f"confkv: listening on http://{host}:{port}", file=sys.stderr, flush=True)
 

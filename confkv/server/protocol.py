@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator
 
 from confkv.config import CachePolicy, format_validation_error
 from confkv.sessions.store import SESSION_ID_RE
@@ -79,6 +79,12 @@ class StreamOptions(BaseModel):
     include_usage: SBool = False
 
 
+def _null_is_default(cls: type[BaseModel], v: Any, info: ValidationInfo) -> Any:
+    """``null`` for a field with a default means the default, as OpenAI and vLLM read it: the ``openai`` client
+    sends ``null`` for any argument given as ``None``, which its types allow (``n=None``, ``logprobs=None``)."""
+    return cls.model_fields[info.field_name].default if v is None else v
+
+
 class _SamplingFields(BaseModel):
     """What completions and chat share: sampling, streaming and confkv's extras."""
 
@@ -102,6 +108,8 @@ class _SamplingFields(BaseModel):
     user: SStr | None = None
     cache_policy: dict[str, Any] | None = Field(None, description="per-request cache-policy overrides")
     session_id: SStr | None = Field(None, description="continue this session (1-128 of [A-Za-z0-9._-])")
+
+    _defaults = field_validator("ignore_eos", "n", "stream", mode="before")(classmethod(_null_is_default))
 
     @field_validator("stop")
     @classmethod
@@ -175,6 +183,8 @@ class CompletionRequest(_SamplingFields):
     suffix: SStr | None = None
     best_of: SInt | None = None
 
+    _echo_default = field_validator("echo", mode="before")(classmethod(_null_is_default))
+
     @field_validator("prompt")
     @classmethod
     def _unicode_prompt(cls, v: Any) -> Any:
@@ -235,6 +245,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int | None, Field(strict=True, ge=1)] = None
     logprobs: SBool = False
     top_logprobs: Annotated[int | None, Field(strict=True, ge=0, le=MAX_LOGPROBS)] = None
+
+    _logprobs_default = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
