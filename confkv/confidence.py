@@ -19,7 +19,8 @@ _FLOAT32_MIN = torch.finfo(torch.float32).min
 class Signals:
     """Per-row confidence signals; each tensor has shape ``[batch]``.
 
-    ``top1_id`` is the greedy token, a by-product of ``topk`` that spares the sampler an ``argmax``.
+    ``top1_id`` is the greedy token: the ``argmax`` of the logits, as Hugging Face's greedy search takes it (the
+    first of tied maxima; ``topk`` leaves the order of ties unspecified, so it could choose another).
     """
 
     entropy: torch.Tensor
@@ -43,7 +44,8 @@ def confidence_signals(logits: torch.Tensor) -> Signals:
     ``logits`` is ``[batch, vocab]`` in any float dtype; the computation runs in float32 so that bf16/fp16 models
     give the same signals as fp32 ones.
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
     # -sum p*log p as one dot product per row (torch.special.entr is a slower elementwise pass); clamping keeps a
     # masked (-inf) logit's term at 0 * finite = 0 instead of NaN.
     entropy = -torch.linalg.vecdot(logprobs.exp(), logprobs.clamp(min=_FLOAT32_MIN))
@@ -53,6 +55,6 @@ def confidence_signals(logits: torch.Tensor) -> Signals:
         entropy=entropy,
         gap=top_probs[:, 0] - top_probs[:, 1],
         top1_prob=top_probs[:, 0],
-        top1_id=top.indices[:, 0],
+        top1_id=logits.argmax(dim=-1),
         logprobs=logprobs,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
 from confkv import LLM, SamplingParams
 from confkv.cli import main
@@ -75,3 +75,38 @@ def test_soft_capping_is_refused_at_load(tmp_path, capsys):
     assert main(["generate", "--model", folder, "--prompt", "hi", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("confkv: error:") and "soft-capping (softcap=50.0)" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("config", "what"),
+    [
+        pytest.param(
+            Phi3Config(**{**COMMON, "max_position_embeddings": 256}, original_max_position_embeddings=32,
+                       rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [8.0] * 8}),
+            "'longrope'", id="phi3-longrope",
+        ),
+        pytest.param(LlamaConfig(**COMMON, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "'dynamic'",
+                     id="llama-dynamic-ntk"),
+    ],
+)  # fmt: skip
+def test_rope_scaling_that_follows_the_batch_is_refused_at_load(tmp_path, capsys, config, what):
+    """Dynamic and long-RoPE scaling pick their frequencies from the longest position in a forward pass: in a
+    packed batch a short request would be rotated by another's length, and a chunked prompt unlike Hugging Face's
+    whole one. Refused at load, in one line."""
+    folder = _folder(tmp_path, config)
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling"):
+        LLM(folder, "full")
+    capsys.readouterr()
+    assert main(["generate", "--model", folder, "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("confkv: error:") and what in err and len(err.splitlines()) == 1
+
+
+def test_attention_layer_types_without_a_mask_here_are_refused():
+    from confkv.kv.attention import config_refusal
+
+    assert config_refusal(Qwen2Config(**COMMON)) is None
+    assert config_refusal(MistralConfig(**COMMON, sliding_window=32)) is None
+    chunked = Qwen2Config(**COMMON)
+    chunked.layer_types = ["chunked_attention", "full_attention"]  # Llama 4's, which lives only in the dense mask
+    assert "chunked_attention" in config_refusal(chunked)

@@ -45,3 +45,15 @@ def test_rows_selects_the_signals_of_some_rows():
     alone = confidence_signals(logits[[0, 3]])
     for name in ("entropy", "gap", "top1_prob", "top1_id", "logprobs"):
         torch.testing.assert_close(getattr(picked, name), getattr(alone, name))
+
+
+def test_the_greedy_token_of_a_tie_is_the_first_as_in_hugging_face():
+    """Exact ties at the top happen with bf16/fp16 logits; Hugging Face's greedy search takes ``argmax``, the first
+    of them."""
+    logits = torch.zeros(3, 50_000)
+    logits[0, [7, 31_000]] = 5.0
+    logits[1, [49_999, 2, 30]] = 1.0
+    logits[2, 123] = 9.0
+    s = confidence_signals(logits.to(torch.bfloat16))
+    assert s.top1_id.tolist() == [7, 2, 123] == logits.argmax(-1).tolist()
+    assert float(s.gap[0]) == 0.0

@@ -285,6 +285,29 @@ _HARMLESS = frozenset({"position_ids", "cache_position", "use_cache", "output_at
 _UNSUPPORTED = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks", "sinks": "attention sinks"}
 
 
+#: Layer types whose masks this function implements (by true positions); others (Llama 4's chunked attention)
+#: exist only in the dense mask transformers would build, which confkv does not use.
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def config_refusal(config: Any) -> str | None:
+    """What in a model config the packed, chunked batch cannot reproduce, though no attention argument shows it."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    entries = list(rope.values()) if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in
+                                                                              rope.values()) else [rope]  # fmt: skip
+    for r in entries:
+        kind = str((r or {}).get("rope_type") or (r or {}).get("type") or "") if isinstance(r, dict) else ""
+        if "dynamic" in kind or kind == "longrope":
+            return (f"RoPE scaling {kind!r}: its frequencies follow the longest position in a forward pass, which "
+                    "the other sequences of a batch and the chunking of a prompt change")  # fmt: skip
+    bad = sorted(set(getattr(config, "layer_types", None) or ()) - _LAYER_TYPES)
+    if bad:
+        return f"attention layer types {bad} (only {sorted(_LAYER_TYPES)} are implemented)"
+    if getattr(config, "attn_temperature_tuning", False):
+        return "attention temperature tuning (computed from a token's index in the batch, not its position)"
+    return None
+
+
 def probe(model: torch.nn.Module, pool: BlockPool, vocab_size: int) -> float:
     """Run two tokens through the model with one borrowed block and check every attention call against what
     ``confkv_attention`` implements; raise ``UnsupportedModelError`` naming the first thing it does not. Returns
@@ -296,6 +319,8 @@ def probe(model: torch.nn.Module, pool: BlockPool, vocab_size: int) -> float:
     """
     from confkv.errors import UnsupportedModelError
 
+    if (refused := config_refusal(getattr(model, "config", None))) is not None:
+        raise UnsupportedModelError(f"{refused} is not implemented by confkv's attention")
     block = pool.allocate(1)
     try:
         slots = pool.slots_of(block)[:2]
