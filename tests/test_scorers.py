@@ -112,7 +112,7 @@ def test_a_bad_scorer_is_a_clear_error():
         LLM("tiny-random", "dynamic", scorer="best")
 
 
-def _votes_after_prompt(llm: LLM, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _votes_after_prompt(llm: LLM, prompt: str | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and recorded votes of the resident tokens once the prompt is read (first token sampled)."""
     engine = llm.engine
     engine.add_request("r", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -133,6 +133,21 @@ def test_snapkv_votes_per_chunk_and_a_prompt_that_fits_keeps_its_last_queries_vo
     pos_w, votes_w = _votes_after_prompt(whole, prompt)
     pos_c, votes_c = _votes_after_prompt(chunked, prompt)
     assert len(pos_w) % 16 > 0 and len(pos_w) % 16 < 24  # the last window starts in the next-to-last chunk
+    assert torch.equal(pos_w, pos_c) and float(votes_w.sum()) > 0
+    torch.testing.assert_close(votes_c, votes_w, rtol=1e-4, atol=1e-5)
+
+
+def test_a_prompts_last_token_read_alone_still_votes(tiny):
+    """A prompt one token longer than a whole number of chunks ends with a one-token chunk; that token is the
+    prompt's last query and votes as in a prompt read whole (it went down the decode path, which records nothing
+    for SnapKV, so the last query's vote was lost)."""
+    policy = dict(max_size=512, min_recent=16, snapkv_window=24)
+    ids = list(fresh_tiny().tokenizer("The vote of the last queries decides what stays. " * 4)["input_ids"])
+    ids = ids[: 16 * (len(ids) // 16) + 1]  # a whole number of 16-token chunks, then one token
+    whole = LLM("tiny-random", "snapkv", loaded=fresh_tiny(), max_num_batched_tokens=512, **policy)
+    chunked = LLM("tiny-random", "snapkv", loaded=tiny, max_num_batched_tokens=16, **policy)
+    pos_w, votes_w = _votes_after_prompt(whole, ids)
+    pos_c, votes_c = _votes_after_prompt(chunked, ids)
     assert torch.equal(pos_w, pos_c) and float(votes_w.sum()) > 0
     torch.testing.assert_close(votes_c, votes_w, rtol=1e-4, atol=1e-5)
 

@@ -89,7 +89,7 @@ class ModelRunner:
             recorded = track and not chunk.rerun  # a rerun's attention was recorded by its first pass
             decode_mode = controller.decode_attention if recorded else "none"
             factor = controller.decode_decay
-            if n == 1:
+            if chunk.decodes:
                 if decode_mode != "none" and factor < 1.0:
                     decode_decay.append((len(decode_blocks), factor))
                 decode_blocks.append(table.resident_blocks(start + n))

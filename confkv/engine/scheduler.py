@@ -47,6 +47,12 @@ class ScheduledChunk:
     rerun: bool = False  # tokens computed before, computed again after a recall (their slots are kept)
 
     @property
+    def decodes(self) -> bool:
+        """One token after the prompt: a row of the padded decode batch. A prompt's last token read alone is a
+        prefill chunk, so that it votes (and is recorded) by the prompt's rules."""
+        return self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
+    @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last token, so its logits give the next token."""
         return self.start + self.num_tokens == len(self.seq.token_ids)
@@ -239,7 +245,7 @@ class Scheduler:
             if not seq.scored:
                 budget -= n
         # decodes first: the attention function handles them as one padded batch
-        out.chunks.sort(key=lambda c: c.num_tokens != 1)
+        out.chunks.sort(key=lambda c: not c.decodes)
         return out
 
     def _scored_chunk(self, seq: Sequence) -> int:
