@@ -559,6 +559,10 @@ def test_train_ppo_in_decode_mode(tmp_path, monkeypatch, capsys):
     args = ["train", "--algo", "ppo", "--mode", "decode", "--model", "tiny-random", "--timesteps", "24", "--out", "d"]
     assert tune_main(args) == 0
     assert load_policy_file(tmp_path / "d" / "policy").controller == "learned"
+    capsys.readouterr()
+    # the export would be chosen by teacher-forced evaluations, a reward the decode agent does not train on
+    assert tune_main([*args, "--keep", "best"]) == 2
+    assert "--keep last" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ command-line refusals

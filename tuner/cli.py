@@ -116,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         "searched around the default base",
     )  # fmt: skip
     train.add_argument(
-        "--keep", choices=["best", "last"], default="best",
+        "--keep", choices=["best", "last"], default=None,
         help="ppo/sac: export the policy of the best evaluation on the training episodes (or on the share "
-        "--validation-fraction holds out; default; the untrained one counts) or as the last update left it",
+        "--validation-fraction holds out; the untrained one counts; default in teacher mode) or as the last update "
+        "left it (default in decode mode: evaluations are teacher-forced, a reward the decode agent does not train on)",
     )  # fmt: skip
     train.add_argument(
         "--validation-fraction", type=float, default=None, metavar="F",
@@ -370,6 +371,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("--validation-fraction is for ppo or sac (optuna keeps its best trial on all items)")
     if args.mode != "teacher" and args.algo == "optuna":
         raise ConfkvError("--mode decode is for ppo or sac (optuna scores its trials teacher-forced)")
+    if args.mode == "decode" and args.keep == "best":
+        raise ConfkvError("--keep best chooses by teacher-forced evaluations (KL), not the decode reward the agent "
+                          "trains on; use --keep last with --mode decode")  # fmt: skip
+    args.keep = args.keep or ("last" if args.mode == "decode" else "best")
     if args.objectives != "reward" and args.algo != "optuna":
         raise ConfkvError(f"--objectives {args.objectives} is for optuna (ppo and sac maximise the reward)")
     _check_weights(args)
