@@ -237,6 +237,9 @@ def load_model(
         model, tokenizer = tiny_random_model(seed).to(torch_dtype), tiny_random_tokenizer()
     elif name == SMOLLM2:
         folder = model_folder(name, cache_dir)
+        legacy = cache_root(cache_dir) / "models" / "smollm2-135m-instruct"  # before the folder named its GGUF
+        if not (folder / "config.json").is_file() and (legacy / "config.json").is_file():
+            legacy.rename(folder)  # the same package's file: no second conversion, no second fp32 copy
         if not (folder / "config.json").is_file():
             _convert_gguf(_smollm2_gguf(), folder)
         model, tokenizer = _from_folder(folder, torch_dtype)

@@ -27,7 +27,8 @@ stable-baselines3 trains on; ``ConfKVEnv`` is the single-episode form the checke
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import gymnasium as gym
@@ -38,6 +39,7 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from confkv.config import CachePolicy
 from confkv.controllers import BudgetState, DynamicController, StepSignals
+from confkv.errors import ConfkvError
 from confkv.learned import OBS_DIM, KnobSpace, apply_budget_action, full_knobs, replay_budget, segment_observation
 from confkv.scoring import ItemState, Scorer, ScoringSession
 from envs.episodes import Episode, TuneData
@@ -50,6 +52,13 @@ class RewardWeights:
     memory_weight: float = 1.0
     quality_weight: float = 2.0
     task_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        # NaN passes every range check and compares false with everything: a reward, a comparison of runs or a
+        # promotion gate built on it would be decided by accident
+        for f in fields(self):
+            if not math.isfinite(value := getattr(self, f.name)):
+                raise ConfkvError(f"--{f.name.replace('_', '-')} must be a finite number (got {value})")
 
 
 def observation_space() -> spaces.Box:

@@ -82,8 +82,9 @@ class PolicyWatcher:
         """Look at the reference now; call ``on_change`` (and return True) if it moved to a version that loads.
 
         A version that does not load (or that ``on_change`` refuses with a ``ConfkvError``) goes to ``on_refused``
-        and False is returned. Registry errors (unreachable, alias removed) are raised to a direct caller; the
-        watcher's own thread logs them and tries again at the next interval.
+        and False is returned. Registry errors (unreachable, alias removed) and an artifact that cannot be read at
+        its URI (``ArtifactUnavailable``) are raised to a direct caller; the watcher's own thread logs them and
+        tries again at the next interval.
         """
         from store.refs import validate_policy
 

@@ -225,7 +225,7 @@ def test_a_failing_second_pass_fails_only_its_own_request(tiny, monkeypatch):
     engine.add_request("good", prompt, params)
     engine.add_request("bad", prompt, params)
     done, _ = _step_all(engine)
-    assert done["bad"].finish_reason == "error" and "second pass" in done["bad"].error
+    assert done["bad"].finish_reason == "error" and done["bad"].error.startswith("forward pass failed")
     assert done["good"].token_ids == alone and engine.num_reruns > 0
     assert engine.pool.num_used == 0
 
@@ -273,3 +273,20 @@ def test_the_breaker_shrink_holds_for_a_sequence_reading_its_prompt(tiny):
     assert engine.scheduler.breaker_trips == 1 and resident
     assert max(resident) <= floor + 32 + engine.pool.block_size  # the floor plus the step's chunk
     assert len(done["long"].token_ids) == 8 and engine.pool.num_used == 0
+
+
+def test_a_sequence_preempted_for_room_loses_the_second_pass_scheduled_for_it(tiny):
+    """Second passes are scheduled first; when a later decode must preempt the sequence that has one, its chunk
+    goes too (it would run on blocks already given back)."""
+    llm = LLM("tiny-random", "full", loaded=tiny, kv_cache_memory="8MiB", max_batch_size=4)
+    engine = llm.engine
+    prompt = list(range(3, 19))  # 16 tokens: the first decode needs a new block
+    engine.add_request("a", prompt, greedy(8))
+    engine.add_request("b", list(range(3, 40)), greedy(8))
+    engine.step()
+    a, b = engine.sequence("a"), engine.sequence("b")
+    assert engine.scheduler.running == [a, b] and engine.manager.blocks_needed(a.kv, 1) == 1
+    b.rerun = 1  # as after a recall
+    engine.pool._free.clear()  # no free block: a's decode must preempt b
+    sched = engine.scheduler.schedule()
+    assert [c.seq for c in sched.chunks] == [a] and b in engine.scheduler.waiting and b.rerun == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from concurrent.futures import Future
 
 import openai
 import pytest
@@ -97,15 +98,13 @@ class _EngineThreadRecorder:
         self.applied: list[CachePolicy] = []
         self.refused: list[str] = []
 
-    def set_policy(self, policy, *, source, version, name=None):
-        from concurrent.futures import Future
-
+    def set_policy(self, policy: CachePolicy, *, source: str, version: str | None, name: str | None = None) -> Future:
         self.applied.append(policy)
         done: Future = Future()
         done.set_result(None)
         return done
 
-    def refuse_policy(self, source, reason) -> None:
+    def refuse_policy(self, source: str, reason: str) -> None:
         self.refused.append(reason)
 
 

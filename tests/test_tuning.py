@@ -737,9 +737,8 @@ def test_compare_takes_policy_names_mlflow_does_not(tmp_path, monkeypatch, capsy
 def test_the_promotion_gate_refuses_non_finite_reward_weights():
     """A NaN reward compares false with everything, so the gate's verdict would be an accident: refused before the
     registry is read or the model loads."""
-    from store.errors import RegistryError
     from tuner.gate import run_gate
 
-    with pytest.raises(RegistryError, match="--quality-weight must be a finite number"):
+    with pytest.raises(ConfkvError, match="--quality-weight must be a finite number"):
         nan = RewardWeights(quality_weight=float("nan"))
         run_gate(None, "p", 1, "production", "prose", weights=nan)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,12 +193,6 @@ def _finite(flag: str, value: float | None) -> None:
     reward, the optimiser or the JSON printed (``NaN`` is not JSON)."""
     if value is not None and not math.isfinite(value):
         raise ConfkvError(f"{flag} must be a finite number (got {value})")
-
-
-def _check_weights(args: argparse.Namespace) -> None:
-    """The reward weights, checked before the model loads (``_weights`` is read after)."""
-    for name in ("memory_weight", "quality_weight", "task_weight"):
-        _finite("--" + name.replace("_", "-"), getattr(args, name))
 
 
 def _weights(args: argparse.Namespace):
@@ -377,7 +371,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     args.keep = args.keep or ("last" if args.mode == "decode" else "best")
     if args.objectives != "reward" and args.algo != "optuna":
         raise ConfkvError(f"--objectives {args.objectives} is for optuna (ppo and sac maximise the reward)")
-    _check_weights(args)
+    _weights(args)  # checked before the model loads: RewardWeights refuses non-finite values
     scorers = _scorers(args)
     params: dict[str, Any] = {}
     if args.algo == "optuna":
@@ -518,7 +512,7 @@ def _check_study(args: argparse.Namespace, out: Path, scorers: list[str]) -> dic
     from sqlalchemy.exc import ArgumentError
 
     from envs.episodes import default_base_policy
-    from tuner.search import open_study, settings_conflicts
+    from tuner.search import check_settings, open_study
 
     if args.storage:
         try:
@@ -535,12 +529,8 @@ def _check_study(args: argparse.Namespace, out: Path, scorers: list[str]) -> dic
         "scorer": ",".join(scorers) if scorers else default_base_policy(args.model).effective_scorer,
     }  # fmt: skip
     study = open_study(args.storage, args.study)
-    differ = settings_conflicts(study, settings) if study is not None else {}
-    if differ:
-        what = "; ".join(f"--{k.replace('_', '-')} {old} (now {new})" for k, (old, new) in differ.items())
-        raise ConfkvError(f"optuna study {args.study!r} in {args.storage} was created with other settings: {what}; "
-                          "resume it with those, or start a new study with --study NAME, --storage URL or another "
-                          "--out")  # fmt: skip
+    if study is not None:
+        check_settings(study, settings, f" in {args.storage}", "--study NAME, --storage URL or another --out")
     return settings
 
 
@@ -716,7 +706,7 @@ def _maybe_run(args: argparse.Namespace, name: str, params: dict[str, Any], kind
 def cmd_eval(args: argparse.Namespace) -> int:
     from envs.evaluate import evaluate_policy
 
-    _check_weights(args)
+    _weights(args)  # checked before the model loads: RewardWeights refuses non-finite values
     if not args.no_mlflow:
         from tuner.tracking import check_tracking_uri
 
@@ -749,7 +739,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from envs.evaluate import evaluate_policy
     from tuner.tracking import check_tracking_uri, metric_key
 
-    _check_weights(args)
+    _weights(args)  # checked before the model loads: RewardWeights refuses non-finite values
     out = out_folder(args.out)
     if not args.no_mlflow:
         check_tracking_uri(args.tracking_uri)
@@ -838,7 +828,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mlflow_errors_are_user_errors(command: Any) -> Any:
+def _mlflow_errors_are_user_errors(
+    command: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
     """MLflow's own refusals (a store it cannot open, a value it rejects) as one line, not a traceback: the last
     resort behind the up-front checks. Matched without importing MLflow: if it was never imported, it raised nothing."""
 

@@ -11,7 +11,6 @@ Neither MLflow nor Optuna gates an alias move; this is the step between "a run f
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,11 +102,7 @@ def run_gate(
 
     if workload not in TUNE_WORKLOADS:
         raise RegistryError(f"unknown workload {workload!r} for --check; choose one of {', '.join(TUNE_WORKLOADS)}")
-    weights = weights or RewardWeights()
-    for key, value in weights.__dict__.items():
-        # a NaN reward compares false with everything: the gate would refuse (or, reversed, pass) by accident
-        if not math.isfinite(value):
-            raise RegistryError(f"--{key.replace('_', '-')} must be a finite number (got {value})")
+    weights = weights or RewardWeights()  # finite: RewardWeights refuses NaN and infinity
     cand = registry.get_version(name, candidate)
     seen = registry.alias_version(name, alias)
     current_version = None if seen == cand.version else seen

@@ -102,14 +102,18 @@ def open_study(storage: str, study_name: str) -> optuna.Study | None:
         raise ConfkvError(f"cannot open the optuna storage {storage}: {first}") from None
 
 
-def settings_conflicts(study: optuna.Study, settings: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{name: (recorded, now)}`` for each setting that differs from what ``study`` recorded when it was created
-    (nothing for a study that recorded none, nor for a setting it did not record: what was not recorded cannot be
-    checked, and a setting added later must not lock every older study)."""
+def check_settings(study: optuna.Study, settings: Mapping[str, Any], where: str, remedy: str) -> None:
+    """Refuse (``ConfkvError``) to resume ``study`` under settings that differ from those it recorded when it was
+    created. A study that recorded none, or a setting it did not record, passes: what was not recorded cannot be
+    checked, and a setting added later must not lock every older study."""
     recorded = study.user_attrs.get(SETTINGS_ATTR)
     if not isinstance(recorded, dict):
-        return {}
-    return {k: (recorded[k], v) for k, v in settings.items() if k in recorded and recorded[k] != v}
+        return
+    differ = {k: (recorded[k], v) for k, v in settings.items() if k in recorded and recorded[k] != v}
+    if differ:
+        what = "; ".join(f"--{k.replace('_', '-')} {old} (now {new})" for k, (old, new) in differ.items())
+        raise ConfkvError(f"optuna study {study.study_name!r}{where} was created with other settings: {what}; "
+                          f"resume it with those, or start a new study with {remedy}")  # fmt: skip
 
 
 def search(
@@ -147,11 +151,7 @@ def search(
     else:
         raise ValueError("objectives must be 'reward' or 'pareto'")
     if settings is not None:
-        differ = settings_conflicts(study, settings)
-        if differ:
-            what = "; ".join(f"{k} {old!r} (now {new!r})" for k, (old, new) in differ.items())
-            raise ConfkvError(f"optuna study {study_name!r} was created with other settings ({what}); resume it "
-                              "with those, or start a new study under another name or storage")  # fmt: skip
+        check_settings(study, settings, "", "another name or storage")
         if SETTINGS_ATTR not in study.user_attrs:
             if study.trials:
                 log.warning("optuna study %r predates recorded settings; resuming it, its settings are now taken "

@@ -290,7 +290,7 @@ def _policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -
             out.append((name, dynamic))
         else:  # fixed baselines at dynamic's ceiling
             out.append((name, baseline_policy(dynamic, name, dynamic.max_size)))
-    taken = set(names)
+    taken = set(names) | {"full"}  # the quality reference is added as "full" when no row keeps everything
     out.extend((row_name(Path(f).stem, taken), load_policy_file(f)) for f in policy_files)
     if not any(p.controller == "full" for _, p in out):
         out.insert(0, ("full", CachePolicy(controller="full")))  # the quality reference

@@ -44,7 +44,7 @@ class ModelRunner:
         capture: set[int] | None = None,
         all_rows: set[int] | frozenset[int] = frozenset(),
     ) -> ForwardResult:
-        """Forward ``chunks`` (decodes, i.e. single tokens, first).
+        """Forward ``chunks`` (decodes first: single tokens after the prompt, ``ScheduledChunk.decodes``).
 
         ``track``: record attention mass for policies that rank blocks by it. ``capture``: sequence ids whose
         sampling query and log-sum-exp are kept for recall scoring. ``all_rows``: return logits for every

@@ -1,12 +1,14 @@
 """Continuous batching: which sequences run this step, with how many tokens each, and whether a new one fits.
 
-Every step takes up to ``max_num_batched_tokens`` tokens: first one token for each running sequence that is
-decoding (or the next chunk of one still reading its prompt), then new requests. A prompt is read in chunks, so one
+Every step takes up to ``max_num_batched_tokens`` tokens: first the second passes of sequences that recalled blocks
+(each whole), then one token for each running sequence that is decoding (or the next chunk of one still reading
+its prompt), then new requests. A prompt is read in chunks, so one
 long prompt never stalls the decodes of the others, and under an evicting policy it is trimmed between chunks.
 
 **Admission by what a policy keeps.** Each running sequence is *committed* the most device blocks it can hold
 before its budget next changes (``CacheManager.projected_blocks``): its whole length under ``full``, its budget plus
-one step (or, while it reads its prompt, ``max_size`` plus one chunk) under an evicting policy. A request is
+one step (or, while it reads its prompt, ``max_size``, or the breaker's cap on it, plus one chunk) under an
+evicting policy. A request is
 admitted only while the commitments fit: under the pool size for policies that keep everything, under the low
 watermark for evicting ones, so the band up to the high watermark stays free for expansions (recall). Memory a
 confident sequence gives up is therefore immediately room for another request, and preemption is the exception.

@@ -293,8 +293,9 @@ _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 def config_refusal(config: Any) -> str | None:
     """What in a model config the packed, chunked batch cannot reproduce, though no attention argument shows it."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    entries = list(rope.values()) if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in
-                                                                              rope.values()) else [rope]  # fmt: skip
+    entries = [rope]
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        entries = list(rope.values())  # one entry per attention layer type
     for r in entries:
         kind = str((r or {}).get("rope_type") or (r or {}).get("type") or "") if isinstance(r, dict) else ""
         if "dynamic" in kind or kind == "longrope":

@@ -201,8 +201,9 @@ class CacheManager:
     ) -> None:
         """Apply the controller's budget ``target`` (contraction on the compaction tick) and evict to it.
 
-        ``grow_room`` says how many tokens the memory ledger lets the applied budget rise by on a tick (asked only
-        when it would rise; unbounded when not given).
+        ``grow_room`` says how many tokens the memory ledger lets the applied budget rise by on a tick, or a
+        breaker's cap on a prompt being read rise by after a chunk (asked only when either would rise; unbounded
+        when not given).
         """
         c = kv.controller
         if not c.evicts:
@@ -294,7 +295,7 @@ class CacheManager:
         self, kv: SequenceKV, indices: list[int], k: torch.Tensor, v: torch.Tensor, score: torch.Tensor
     ) -> None:
         """Write blocks taken from the host tier (logical ``indices``, in order) into newly allocated device blocks."""
-        ids = self.pool.allocate(len(indices))
+        ids = self.pool.allocate(len(indices), zero=False)  # every slot is written next
         self.pool.write_blocks(ids, k, v, score)
         for i, block in zip(indices, ids, strict=True):
             kv.table.entries[i] = block
@@ -392,8 +393,8 @@ class CacheManager:
     # ------------------------------------------------------------------------------------ the prompt's last query
     def reselect(self, kv: SequenceKV, q: torch.Tensor, budget: float) -> int:
         """Once the prompt is read: let its last query choose which evictable blocks stay, from the device and the
-        host tier alike, and come down to ``budget``; returns how many host blocks came back (the query's token
-        must then be recomputed to see them).
+        host tier alike, and come down to ``budget`` (or the breaker's cap); returns how many host blocks came back
+        (the query's token must then be recomputed to see them).
 
         While a long prompt is read, its chunks are trimmed by what each chunk's own queries attended to, before
         the question at its end exists; a record the question asks for may already be in the host tier. Here every

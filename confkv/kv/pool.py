@@ -99,11 +99,12 @@ class BlockPool:
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, zero: bool = True) -> list[int]:
+        """``n`` free blocks; ``zero=False`` for a caller that writes every slot of them at once (a recall)."""
         if n > len(self._free):
             raise RuntimeError(f"KV pool exhausted: asked for {n} blocks, {len(self._free)} free")
         ids = [self._free.pop() for _ in range(n)]
-        if ids:
+        if ids and zero:
             slots = self.slots_of(ids)
             self.score[slots] = 0.0
             self.k[:, slots] = 0.0

@@ -295,7 +295,7 @@ class EngineThread:
             self.fatal = f"{type(err).__name__}: {err}"
         finally:
             self._stopping = True
-            if self.fatal is not None:  # an error for every request in flight, counted as one, not a clean stop
+            if self.fatal is not None:  # every request in flight fails as an error (and is counted so), not an abort
                 self._fail_all(f"engine thread died: {self.fatal}")
             else:
                 self._fail_all("server shutting down", reason="abort")

@@ -245,11 +245,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int | None, Field(strict=True, ge=1)] = None
     logprobs: SBool = False
     top_logprobs: Annotated[int | None, Field(strict=True, ge=0, le=MAX_LOGPROBS)] = None
-
-    _logprobs_default = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+
+    _logprobs_default = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
 
     @field_validator("messages")
     @classmethod

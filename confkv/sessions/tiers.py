@@ -36,8 +36,9 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from confkv.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TIERS = ("device", "host", "store")
 
@@ -484,7 +486,10 @@ class SessionTiers:
                 _, err = _call(store.delete, sid)
                 self._done.put(("deleted", sid, err, n))
             elif kind == "sweep":
-                self._sweep(store, job[1])
+                try:
+                    self._sweep(store, job[1])
+                except Exception:  # a bug here must not take the worker down with every later session
+                    log.exception("session store sweep failed")
 
     def _sweep(self, store: SessionStore, cutoff: float) -> None:
         """Delete the store's sessions last used before ``cutoff``; an object that cannot be read (corrupt, or
@@ -523,7 +528,7 @@ class SessionTiers:
         return out
 
 
-def _call(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, SessionStoreError | None]:
+def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T | None, SessionStoreError | None]:
     """Run a store call on the worker: its result, or the fault it raised (the store has logged and counted its
     own). Anything else is a bug, logged here and answered as a fault, so the worker and its callers go on."""
     try:
