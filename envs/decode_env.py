@@ -82,13 +82,9 @@ class ConfKVDecodeEnv(gym.Env):
         return seq, False
 
     def _segment_since(self, seq: Sequence) -> list[StepSignals]:
-        """The signals of the tokens generated since the last decision; kept for the next decision's replay."""
-        tr, start = seq.trace, self._seen
-        n0 = seq.num_prompt_tokens
-        out = [
-            StepSignals(tr.entropy[i], tr.gap[i], tr.top1_prob[i], tr.resident[i], n0 + i, self.engine.pool.usage)
-            for i in range(start, len(tr.entropy))
-        ]
+        """The signals the controller decided on for the tokens generated since the last decision (after a recall
+        the first pass's, as a ``LearnedController`` in serving sees them); kept for the next decision's replay."""
+        out = list(seq.decided_on[self._seen :])
         self._segment = out
         return out
 
@@ -149,9 +145,12 @@ class ConfKVDecodeEnv(gym.Env):
         applied = d.applied
         seq, done = self._run(self.data.base_policy.compact_interval)
         segment = self._segment_since(seq)
+        # memory as each token was computed (after a recall, with what came back: the trace's, not the decision's)
+        n0, resident = seq.num_prompt_tokens, seq.trace.resident
+        held = [resident[i] / max(1, n0 + i) for i in range(self._seen, len(resident))]
         self._seen = len(seq.trace.entropy)
         flags = self._update_divergence(seq)
-        fraction = float(np.mean([s.resident / max(1, s.position) for s in segment])) if segment else 1.0
+        fraction = float(np.mean(held)) if held else 1.0
         divergence = float(np.mean(flags)) if flags else 0.0
         w = self.weights
         reward = w.memory_weight * (1.0 - fraction) - w.quality_weight * divergence
@@ -172,7 +171,7 @@ class ConfKVDecodeEnv(gym.Env):
             info["summary"] = {
                 "item": ep.item_id, "workload": ep.workload, "reward": tot["reward"],
                 "kv_fraction": tot["kv_fraction"] / tot["steps"], "divergence": tot["divergence"] / tot["steps"],
-                "output_token_ids": list(seq.output_token_ids),
+                "output_token_ids": list(seq.output_token_ids), "budgets": list(seq.trace.budget),
                 **({"task_correct": info["task_correct"]} if "task_correct" in info else {}),
             }  # fmt: skip
             self._rid = None

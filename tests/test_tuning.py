@@ -742,3 +742,34 @@ def test_the_promotion_gate_refuses_non_finite_reward_weights():
     with pytest.raises(ConfkvError, match="--quality-weight must be a finite number"):
         nan = RewardWeights(quality_weight=float("nan"))
         run_gate(None, "p", 1, "production", "prose", weights=nan)  # type: ignore[arg-type]
+
+
+def test_a_network_steers_the_decode_environment_as_it_steers_the_engine(data, tmp_path):
+    """The decode environment builds a learned controller's observations from the signals the engine's controller
+    decided on; after a recall the token is chosen from the second pass, whose signals it used before, so a network
+    trained there saw other inputs than it gets when serving, and moved the budget elsewhere."""
+    from confkv.learned import LearnedController
+    from envs.decode_env import ConfKVDecodeEnv
+
+    g = torch.Generator().manual_seed(2)
+    layers = [(torch.randn(16, OBS_DIM, generator=g), torch.zeros(16), "tanh"),
+              (torch.randn(5, 16, generator=g), torch.randn(5, generator=g), "none")]  # fmt: skip
+    folder = MLPPolicy(layers, "knobs").save(tmp_path / "net", data.base_policy)
+    net = MLPPolicy.load(folder)
+    env = ConfKVDecodeEnv(data)
+    reruns = 0
+    for i, ep in enumerate(env.episodes):
+        obs, _ = env.reset(options={"episode": i})
+        done = False
+        while not done:
+            obs, _, done, _, info = env.step(net.act(obs))
+        llm = data.llm(load_policy_file(folder))
+        assert isinstance(llm.engine.controller, LearnedController)
+        prompt = ep.item.token_ids[: ep.prompt_len]
+        n = len(ep.item.token_ids) - ep.prompt_len
+        out = llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))[0]
+        assert info["summary"]["output_token_ids"] == out.token_ids, ep.item_id
+        # the first token is read under the environment's start, before any action
+        assert info["summary"]["budgets"][1:] == pytest.approx(out.trace.budget[1:], rel=1e-5), ep.item_id
+        reruns += llm.engine.num_reruns
+    assert reruns > 0  # the case that differed

@@ -635,6 +635,7 @@ class LLMEngine:
                 pool_usage=self.pool.usage,
             )
             state = c.update(seq.ctrl, s)
+            seq.pending_signals = s
             if seq.seq_id in res.captured and self._reselects(ch):
                 if self.manager.reselect(seq.kv, seq.last_query[0], state.budget):
                     self._defer(seq)
@@ -676,6 +677,7 @@ class LLMEngine:
             tr.resident.append(resident[i])
             tr.budget.append(seq.ctrl.budget if seq.kv.controller.evicts else float(resident[i]))
             tr.expanded.append(expanded[i])
+            seq.decided_on.append(seq.pending_signals)
             seq.kv.stats.record_compute(resident[i], len(seq.kv.table.device_blocks()), generated=True)
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from confkv.controllers import BudgetState, Controller
+from confkv.controllers import BudgetState, Controller, StepSignals
 from confkv.engine.params import SamplingParams
 from confkv.kv.manager import SequenceKV
 
@@ -74,6 +74,11 @@ class Sequence:
     #: Trailing computed tokens to compute again, with the blocks a recall just brought back, before the next token
     #: is chosen: done as a row of the next step's batch rather than a forward pass of its own.
     rerun: int = 0
+    #: Per generated token, the signals its controller decided on: after a recall the token is chosen from the
+    #: second pass (what ``trace`` records) but the budget moved on the first pass's, which a learned controller
+    #: trained on this record (``envs.decode_env``) must see as serving will.
+    decided_on: list[StepSignals] = field(default_factory=list)
+    pending_signals: StepSignals | None = None
     #: The first generated token computed over a trimmed context since the last recomputation (``recompute:
     #: stale``): its keys and values, and those of every token after it, differ from what the whole context gives.
     stale_from: int | None = None
