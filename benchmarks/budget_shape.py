@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from common import shrunk_spec, split_arg
-from dynamic_ablation import measure
+from dynamic_ablation import TEACHER_FORCED, measure
 
 from confkv.bench.suite import Evaluator, Usage, baseline_policy, matched_budget, scaled_dynamic, suite_spec
 from confkv.config import CachePolicy, load_policy_file
@@ -160,7 +160,9 @@ def main() -> None:
     split_arg(p)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    spec = shrunk_spec(suite_spec(args.model, "standard"), args.items, ("prose", "longgen", "chat"))
+    if unknown := [w for w in args.workloads.split(",") if w and w not in TEACHER_FORCED]:
+        p.error(f"--workloads takes the teacher-forced workloads ({', '.join(TEACHER_FORCED)}), not {unknown}")
+    spec = shrunk_spec(suite_spec(args.model, "standard"), args.items, TEACHER_FORCED)
     t0 = time.perf_counter()
     ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)

@@ -56,7 +56,7 @@ def _entry(controller: str, kv: float, ppl: float | None, passkey: float, **extr
 
 
 def _trace(n: int, prompt: int, kind: str, rng: random.Random) -> dict[str, list[Any]]:
-    full_tokens = [prompt + i + 1 for i in range(n)]
+    full_tokens = [prompt + i for i in range(n)]
     entropy = [max(0.0, rng.gauss(2.5, 1.2)) for _ in range(n)]
     gap = [min(1.0, max(0.0, rng.gauss(0.4, 0.25))) for _ in range(n)]
     if kind == "full":

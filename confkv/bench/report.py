@@ -505,12 +505,14 @@ def plot_memory_quality(results: dict[str, Any], path: Path) -> Path | None:
         ("ppl_delta_rel", 100.0, "Δ perplexity vs full (%)\nlower is better", "(a) perplexity"),
         ("passkey_acc", 1.0, "pass-key accuracy\nhigher is better", "(b) pass-key retrieval"),
     )
+    measure_of = {"ppl_delta_rel": "prose", "passkey_acc": "passkey"}  # each panel at its own workload's memory
     points: list[list[tuple[str, float, float]]] = []
     for key, scale, _, _ in panels:
         pts = []
         for name in names:
             entry = policies[name] or {}
-            x = _finite(entry.get("kv_fraction_mean"))
+            own = ((entry.get("workloads") or {}).get(measure_of[key]) or {}).get("kv_fraction_mean")
+            x = _finite(own if own is not None else entry.get("kv_fraction_mean"))
             if x is None and name == "full":
                 x = 1.0
             y = _finite(entry.get(key))

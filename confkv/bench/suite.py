@@ -455,7 +455,8 @@ class Evaluator:
                 "entropy": tr.entropy,
                 "gap": tr.gap,
                 "expanded": tr.expanded,
-                "full_tokens": [outs[0].prompt_tokens + i + 1 for i in range(len(tr.resident))],
+                # token i is computed over the prompt and the i tokens before it (the first in the prompt's last chunk)
+                "full_tokens": [outs[0].prompt_tokens + i for i in range(len(tr.resident))],
             },
             "nvml_peak_bytes": _nvml_peak(llm.engine.device),
         }
