@@ -114,6 +114,34 @@ def reframe(blob: bytes, **changes: object) -> bytes:
 # ------------------------------------------------------------------------------------------------ the record format
 
 
+def with_payload(blob: bytes, payload: bytes) -> bytes:
+    """``blob`` with its payload replaced and the header's payload fields made to match: checksums all pass."""
+    head = reframe(blob, payload_bytes=len(payload), payload_sha256=hashlib.sha256(payload).hexdigest())
+    (hlen,) = struct.unpack_from("<I", head, 8)
+    return head[: 12 + hlen + 32] + payload
+
+
+def test_a_frame_larger_than_its_header_says_is_refused_unopened() -> None:
+    """A payload whose frame inflates past the header's ``raw_bytes`` (a bomb, or a header edited with its
+    checksum) is refused before anything is allocated for it."""
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor().compress(bytes(256 * 2**20))  # 256 MiB of zeros in a few KiB
+    assert len(bomb) < 2**20
+    with pytest.raises(CorruptRecord, match="frame's size"):
+        decode(with_payload(encode(make_record()), bomb))
+
+
+def test_decode_refuses_what_encode_refuses() -> None:
+    """The engine trusts a restored record's geometry: block indices past the computed tokens, a repeated index or
+    more computed tokens than token ids are corrupt records, not a crash on the engine thread."""
+    blob = encode(make_record(n_tokens=100, dropped=(1,)))  # blocks 0, 2..6 of 7
+    for changes in ({"block_indices": [0, 2, 3, 4, 5, 600]}, {"block_indices": [0, 2, 3, 4, 5, 5]},
+                    {"num_computed": 10**6}):  # fmt: skip
+        with pytest.raises(CorruptRecord):
+            decode(reframe(blob, **changes))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_record_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
     rec = make_record(dtype=dtype)

@@ -259,7 +259,9 @@ def decode(data: bytes | memoryview, *, expect: Mapping[str, Any] | None = None)
             ):
                 raise CorruptRecord(f"session {sid!r}: block tensors do not match the header", session_id=sid)
             blocks = {i: BlockKV(k=k[n], v=v[n], score=score[n]) for n, i in enumerate(indices)}
-        return SessionRecord(
+            if len(blocks) != len(indices):
+                raise CorruptRecord(f"session {sid!r}: a block index is repeated", session_id=sid)
+        record = SessionRecord(
             session_id=str(sid),
             model_fingerprint=str(header["model_fingerprint"]),
             block_size=int(header["block_size"]),
@@ -274,6 +276,8 @@ def decode(data: bytes | memoryview, *, expect: Mapping[str, Any] | None = None)
             updated_at=float(header["updated_at"]),
             meta=dict(header["meta"]),
         )
+        _check_record(record)  # what encode refuses is refused here too: the engine trusts the geometry
+        return record
     except (KeyError, TypeError, ValueError, IndexError) as err:
         raise CorruptRecord(f"session {sid!r}: undecodable record ({err!r})", session_id=sid) from err
 
@@ -313,7 +317,7 @@ def _unframe(view: memoryview, magic: bytes) -> tuple[dict[str, Any], memoryview
         raise CorruptRecord("header checksum mismatch")
     try:
         header = json.loads(bytes(hb))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise CorruptRecord(f"header is not JSON: {err}") from err
     if not isinstance(header, dict):
         raise CorruptRecord("header is not a JSON object")
@@ -355,12 +359,17 @@ def _payload(header: Mapping[str, Any], payload: memoryview, sid: Any) -> dict[s
     if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
         raise CorruptRecord(f"session {sid!r}: payload checksum mismatch", session_id=sid)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(payload)
-        if len(raw) != header["raw_bytes"]:
+        raw_bytes = header["raw_bytes"]
+        # what the frame says it holds must be what the header says, before anything is allocated for it: a frame
+        # that inflates past the header's size (a bomb, or a header edited with its checksum) is refused, not tried
+        if not isinstance(raw_bytes, int) or zstandard.frame_content_size(payload) not in (-1, raw_bytes):
+            raise CorruptRecord(f"session {sid!r}: the frame's size differs from the header's", session_id=sid)
+        raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_bytes)
+        if len(raw) != raw_bytes:
             raise CorruptRecord(f"session {sid!r}: decompressed size differs from the header", session_id=sid)
         tensors = st_load(raw)
         declared = header["tensors"]
-    except (zstandard.ZstdError, SafetensorError, KeyError, TypeError) as err:
+    except (zstandard.ZstdError, SafetensorError, KeyError, TypeError, MemoryError) as err:
         raise CorruptRecord(f"session {sid!r}: undecodable payload ({err!r})", session_id=sid) from err
     actual = {name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for name, t in tensors.items()}
     if actual != declared:
