@@ -572,3 +572,21 @@ def test_real_kv_compresses() -> None:
     header = read_header(encode(rec))
     assert header["raw_bytes"] / header["payload_bytes"] > 1.25  # measured 1.42 at 1,024 tokens
     assert_same(rec, decode(encode(rec), expect=EXPECT))
+
+
+def test_an_s3_record_is_one_put(moto: Moto, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every record goes up as one PUT (s3fs switches to a multipart upload past twice its chunk size; one cut off
+    by the deadline is cancelled, which s3fs does not abort, and its parts stay in the bucket)."""
+    from confkv.sessions.store import S3_SINGLE_PUT_BYTES
+
+    store = SessionStore(f"s3://{moto.bucket()}/one", storage_options=moto.options())
+    real, seen = store.fs._pipe_file, []
+
+    async def recording(path: str, data: bytes, **kwargs: object) -> object:
+        seen.append(kwargs.get("chunksize"))
+        return await real(path, data, **kwargs)
+
+    monkeypatch.setattr(store.fs, "_pipe_file", recording)
+    store.put(make_record("one-put"))
+    assert seen and set(seen) == {S3_SINGLE_PUT_BYTES} and 2 * S3_SINGLE_PUT_BYTES > 5 * 2**30
+    assert store.exists("one-put")

@@ -18,9 +18,10 @@ Backends (``fsspec.core.url_to_fs``):
 
 Atomicity, so that no reader ever sees half a record: a local write goes to a hidden temp file in the same folder,
 is fsynced, and is renamed over the final name with ``os.replace`` (atomic on POSIX; the folder is fsynced too, so
-the rename survives a crash); an S3 object becomes visible only when its PUT (or multipart upload, past 100 MiB)
-completes, so the final key is written in one ``pipe_file``; the memory filesystem commits a new file with one
-dict assignment.
+the rename survives a crash); an S3 object becomes visible only when its PUT completes, so the final key is written
+in one ``pipe_file``, as one PUT up to S3's 5 GiB limit (a multipart upload cut off by the deadline would leave its
+parts in the bucket: s3fs aborts one on an error, not on a cancellation); the memory filesystem commits a new file
+with one dict assignment.
 
 Faults. Every transport failure (connection refused, DNS, TLS, HTTP 5xx, permission, a missing bucket on write) raises
 ``StoreUnavailable``. On S3, botocore's connect and read (idle socket) timeouts are ``timeout_s`` with one attempt, and
@@ -72,6 +73,8 @@ TOKENS_SUFFIX = ".tokens"
 RECORD_SUFFIX = ".record"
 #: fault kinds counted in ``stats()["faults"]`` (a missing record is a miss, counted in ``misses``).
 FAULT_KINDS: tuple[str, ...] = ("unavailable", "corrupt", "foreign", "error")
+#: s3fs sends one PUT below twice its chunk size, up to S3's 5 GiB limit for one: every record is one PUT.
+S3_SINGLE_PUT_BYTES = 5 * 2**30
 _COUNTERS: tuple[str, ...] = ("puts", "gets", "token_gets", "misses", "deletes", "bytes_written", "bytes_read")
 _Obj = TypeVar("_Obj", SessionRecord, SessionTokens)
 
@@ -125,10 +128,12 @@ class SessionStore:
             self.fs, root = fsspec.core.url_to_fs(self.url, **options)
         except (ImportError, ValueError, TypeError) as err:
             raise ConfkvError(f"session store {self.url!r}: {err}") from err
+        self._put_options: dict[str, Any] = {}
         if protocol in ("s3", "s3a"):
             # s3fs retries transport errors 5 times with backoff on top of botocore's own retries; the deadline
             # bounds it anyway, but a refused connection should fail fast rather than spend the whole timeout.
             self.fs.retries = 2
+            self._put_options = {"chunksize": S3_SINGLE_PUT_BYTES}
         self.root = root.rstrip("/")
         self._local = isinstance(self.fs, LocalFileSystem)
         self._remote = isinstance(self.fs, AsyncFileSystem)  # s3fs (and any other async backend): deadlines apply
@@ -271,7 +276,7 @@ class SessionStore:
             if self._local:
                 self._op("atomic_write", path, data)
             else:
-                self._op("pipe_file", path, data, nbytes=len(data))
+                self._op("pipe_file", path, data, nbytes=len(data), **self._put_options)
         except FileNotFoundError as err:  # a missing bucket: the store cannot take writes
             raise StoreUnavailable(f"cannot write {path}: {err}") from err
         self._bump(bytes_written=len(data))
