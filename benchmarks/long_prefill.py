@@ -4,7 +4,9 @@ longer than its ``max_size`` in the engine's token-budget chunks (trimmed betwee
     python benchmarks/long_prefill.py --tokens 3000 --policies full,dynamic,streaming --repeats 2
 
 One chat prompt of ``--tokens`` tokens (held-out documentation and a question) is generated to a single token;
-the best of ``--repeats`` wall times is reported per policy, with its ratio to ``full``'s.
+the best of ``--repeats`` wall times is reported per policy, with its ratio to ``full``'s. The policies are the
+throughput suite's (``dynamic``: base 256, max 1,024, 128 recent; fixed ones at its ``max_size``), so the prompt is
+longer than what an evicting policy keeps and is trimmed between chunks; the run refuses a prompt that would fit.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from common import load, parser, report, setup
 
 from confkv import LLM, SamplingParams
 from confkv.bench.corpus import split_passage
+from confkv.bench.throughput import ThroughputSpec, stream_policies
 from confkv.bench.workloads import render_chat
 
 
@@ -37,16 +40,24 @@ def main() -> None:
     prompt = long_prompt(loaded.tokenizer, args.tokens)
     result: dict = {**env, "prompt_tokens": len(prompt), "max_num_batched_tokens": args.max_num_batched_tokens}
     one = SamplingParams(max_tokens=1)
-    for policy in args.policies.split(","):
-        llm = LLM(args.model, policy, loaded=loaded, kv_cache_memory="1GiB",
+    names = args.policies.split(",")
+    policies = dict(stream_policies(names, [], ThroughputSpec()))
+    for policy in names:
+        cache_policy = policies[policy]
+        if cache_policy.controller != "full" and len(prompt) <= cache_policy.max_size:
+            raise SystemExit(f"a {len(prompt)}-token prompt fits {policy}'s max_size {cache_policy.max_size}: "
+                             "nothing would be trimmed; raise --tokens")  # fmt: skip
+        result[f"{policy}_max_size"] = cache_policy.max_size
+        llm = LLM(args.model, cache_policy, loaded=loaded, kv_cache_memory="1GiB",
                   max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            llm.generate([prompt], one)
+            out = llm.generate([prompt], one)[0]
             times.append(time.perf_counter() - t0)
+        result[f"{policy}_peak_resident_tokens"] = out.kv["peak_resident_tokens"]  # max_size plus a chunk at most
         result[f"{policy}_prefill_s"] = min(times)
-    for policy in args.policies.split(","):
+    for policy in names:
         if "full_prefill_s" in result:
             result[f"{policy}_vs_full"] = result[f"{policy}_prefill_s"] / result["full_prefill_s"]
     report(args, result)

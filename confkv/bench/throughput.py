@@ -275,7 +275,9 @@ def _quality(result: StreamResult, reference: StreamResult) -> dict[str, float]:
     return {"rougeL_vs_full": rouge_l(result.texts, reference.texts), "exact_match_vs_full": float(np.mean(same))}
 
 
-def _policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -> list[tuple[str, CachePolicy]]:
+def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -> list[tuple[str, CachePolicy]]:
+    """The suite's policies by name (``dynamic`` at the suite's sizes, fixed ones at its ``max_size``) and files,
+    ``full`` first (added as the quality reference when no policy keeps everything)."""
     from confkv.bench.suite import baseline_policy, row_name
 
     dynamic = scaled_dynamic(spec.scale)
@@ -315,7 +317,7 @@ def run_throughput(
     spec = spec or (TINY_THROUGHPUT if model == "tiny-random" else ThroughputSpec())
     t_start = time.perf_counter()
     loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
-    chosen = _policies(policies, policy_files or [], spec)
+    chosen = stream_policies(policies, policy_files or [], spec)
     pool_bytes = pool_bytes_for(loaded, spec, chosen[0][1].block_size)
     base = make_requests(loaded.tokenizer, spec, seed)
     out: dict[str, Any] = {
