@@ -39,7 +39,11 @@ def main() -> None:
     loaded = load(args, device)
     prompts = readme_windows(loaded, args.context, args.batch)
     result: dict = {**env, "context": args.context, "batch": args.batch, "steps": args.steps}
-    params = SamplingParams(max_tokens=SETTLE_STEPS + args.steps + 2, ignore_eos=True)
+    # the first sequences decode while the last ones still read their prompts (chunks of 512 tokens), and every
+    # sequence must still be running through the timed and profiled steps: a limit of settle + steps finished some
+    # before (an unbounded one makes ``full`` commit the model's whole context per sequence and admit fewer)
+    reading = -(-args.batch * args.context // 512) + args.batch
+    params = SamplingParams(max_tokens=reading + SETTLE_STEPS + 2 * args.steps + 8, ignore_eos=True)
     for policy in args.policies.split(","):
         llm = LLM(args.model, policy, loaded=loaded, max_batch_size=args.batch, kv_cache_memory="2GiB")
         engine = llm.engine
@@ -48,19 +52,25 @@ def main() -> None:
         read_prompts(engine)
         for _ in range(SETTLE_STEPS):
             engine.step()
+        running = engine.scheduler.running
+        made = sum(len(s.output_token_ids) for s in running)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
-        step_s = (time.perf_counter() - t0) / args.steps
+        elapsed = time.perf_counter() - t0
+        step_s = elapsed / args.steps
         faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / args.steps
+        if len(running) != args.batch:
+            raise SystemExit(f"{len(running)} of {args.batch} sequences decoding: the step is not the one asked for")
         result[f"{policy}_step_ms"] = step_s * 1000
-        result[f"{policy}_decode_tokens_per_s"] = args.batch / step_s
+        result[f"{policy}_decode_tokens_per_s"] = (sum(len(s.output_token_ids) for s in running) - made) / elapsed
         result[f"{policy}_minor_faults_per_step"] = faults
         if args.profile:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(args.steps):
                     engine.step()
+            assert len(engine.scheduler.running) == args.batch
             ops = prof.key_averages()
             total = sum(op.self_cpu_time_total for op in ops)
             for op in sorted(ops, key=lambda o: o.self_cpu_time_total, reverse=True)[:6]:
