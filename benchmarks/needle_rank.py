@@ -75,10 +75,10 @@ def main() -> None:
             per_head = torch.cat(recorded)  # [layers * heads, T]
             blocks = torch.zeros(per_head.shape[0], n_blocks)
             blocks.index_add_(1, torch.arange(len(ids)) // BLOCK, per_head)
-            share = blocks[:, evictable]
-            share = share / share.sum(dim=1, keepdim=True).clamp_min(1e-12)
+            raw = blocks[:, evictable]  # [layers * heads, blocks]: attention as recorded
+            share = raw / raw.sum(dim=1, keepdim=True).clamp_min(1e-12)  # each head's share among these blocks
             ranks = []
-            for score in (share.sum(0), share.amax(0), share.topk(10, dim=0).values.sum(0)):
+            for score in (raw.sum(0), share.amax(0), share.topk(10, dim=0).values.sum(0)):
                 order = sorted(range(len(evictable)), key=lambda j: -float(score[j]))
                 ranks.append(order.index(evictable.index(answer_block)) + 1)
             cells.append(f"{ranks[0]:>4} / {ranks[1]:>3} / {ranks[2]:>3}")
