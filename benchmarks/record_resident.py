@@ -65,9 +65,14 @@ def main() -> None:
     p.add_argument(
         "--baselines",
         default="snapkv:288",
-        help="comma-separated NAME:TOKENS fixed policies (as confkv bench builds them)",
+        help="comma-separated NAME:TOKENS fixed policies, built on --baselines-from's keys",
     )
     p.add_argument("--policy-file", action="append", default=[])
+    p.add_argument(
+        "--baselines-from", default=None,
+        help="a policy file whose other keys (recent share, recent window, sinks) the baselines take, as confkv bench "
+        "matches them to a variant; default: the built-in defaults",
+    )  # fmt: skip
     args = p.parse_args()
     device, env = setup(args)
     loaded = load(args, device)
@@ -75,9 +80,10 @@ def main() -> None:
     sizes.pop("n")
     items = make_workload("multikey", loaded.tokenizer, split=args.split, n=args.items, **sizes)
     policies: list[tuple[str, CachePolicy]] = [(Path(f).stem, load_policy_file(f)) for f in args.policy_file]
+    base = load_policy_file(args.baselines_from) if args.baselines_from else CachePolicy()
     for spec in filter(None, args.baselines.split(",")):
         name, _, tokens = spec.partition(":")
-        policies.append((spec, baseline_policy(CachePolicy(), name, int(tokens))))
+        policies.append((spec, baseline_policy(base, name, int(tokens))))
     result: dict = {**env, "split": args.split, "items": len(items)}
     for name, policy in policies:
         llm = LLM(args.model, policy, loaded=loaded, max_batch_size=1, kv_cache_memory="1GiB")
