@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="add the heaviest operators' share of the step time")
     p.add_argument("--allow-cudnn", action="store_true", help="on CUDA, let attention use cuDNN's SDPA (to compare)")
+    p.add_argument("--no-pack", action="store_true", help="transformers' own linear layers, not the packed ones")
     args = p.parse_args()
     if args.allow_cudnn:
         attention.CUDA_SDPA_BACKENDS.insert(0, SDPBackend.CUDNN_ATTENTION)
@@ -45,7 +46,8 @@ def main() -> None:
     reading = -(-args.batch * args.context // 512) + args.batch
     params = SamplingParams(max_tokens=reading + SETTLE_STEPS + 2 * args.steps + 8, ignore_eos=True)
     for policy in args.policies.split(","):
-        llm = LLM(args.model, policy, loaded=loaded, max_batch_size=args.batch, kv_cache_memory="2GiB")
+        llm = LLM(args.model, policy, loaded=loaded, max_batch_size=args.batch, kv_cache_memory="2GiB",
+                  pack_weights=not args.no_pack)  # fmt: skip
         engine = llm.engine
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
