@@ -6,6 +6,7 @@ the same rules, and every error names the field and its allowed range.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,7 +150,8 @@ class CachePolicy(BaseModel):
 
     @property
     def low_watermark(self) -> float:
-        """``memory_low_watermark``, or a tenth of the pool below the high mark."""
+        """``memory_low_watermark``, or a tenth of the pool below the high mark (half the high mark, when that is
+        higher: a high mark under 0.2 keeps a band of half itself)."""
         if self.memory_low_watermark is not None:
             return self.memory_low_watermark
         return max(self.memory_high_watermark * 0.5, self.memory_high_watermark - 0.1)
@@ -227,11 +229,29 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             raise ConfkvError(f"--set expects KEY=VALUE (got {item!r})")
         if key not in known:
             raise ConfkvError(f"unknown policy key {key!r}; known keys: {', '.join(sorted(known))}")
-        try:
-            out[key] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            out[key] = raw
+        out[key] = _override_value(raw.strip())
     return out
+
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def _override_value(raw: str) -> Any:
+    """A ``--set`` value: a plain decimal number, ``true``/``false``/``null``, a YAML list or mapping, else the text
+    as it is. YAML 1.1 scalars are not used for the rest: they read ``0512`` as octal (330), ``1:30`` as base 60
+    (90) and ``~`` as null."""
+    if _NUMBER.fullmatch(raw):
+        return int(raw) if raw.lstrip("+-").isdigit() else float(raw)
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    if raw.lower() in ("null", "none"):
+        return None
+    if raw.startswith(("[", "{")):
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return raw
+    return raw
 
 
 def resolve_policy(
@@ -256,6 +276,8 @@ def resolve_policy(
             if policy not in CONTROLLER_NAMES:
                 raise ConfkvError(f"unknown policy {policy!r}; choose one of: {', '.join(CONTROLLER_NAMES)}")
             base["controller"] = policy
+            if policy in PRESET_SCORERS:  # a preset ranks its own way: a file's scorer belongs to the file's rule
+                base["scorer"] = None
         if model is not None and not policy_file and base.get("controller", "dynamic") == "dynamic":
             from confkv.calibration import calibrated_thresholds
 

@@ -347,7 +347,9 @@ class MLPPolicy:
             raise ConfkvError(f"cannot load learned policy from {folder}: {err}") from None
         if doc.get("format") != "confkv-learned-policy" or doc.get("obs_version") != OBS_VERSION:
             raise ConfkvError(f"{folder} is not a confkv learned policy of observation version {OBS_VERSION}")
-        version = int(doc.get("format_version", 1))
+        version = doc.get("format_version", 1)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ConfkvError(f"{folder}/policy.json: format_version must be a positive integer (got {version!r})")
         if version > FORMAT_VERSION:
             raise ConfkvError(f"{folder} is a learned policy of format {version}; this confkv reads formats up to "
                               f"{FORMAT_VERSION} (upgrade confkv)")  # fmt: skip
@@ -364,6 +366,16 @@ class MLPPolicy:
             raise ConfkvError(f"{folder}/policy.json is incomplete or malformed: {err!r}") from None
         if action not in ("knobs", "budget") or rule not in BUDGET_RULES:
             raise ConfkvError(f"{folder}: unknown action {action!r} or budget rule {rule!r}")
+        # checked here, not at the first decision inside an engine step: an activation this code does not apply
+        # would run as none, and layers that do not chain from the observation fail on a tensor shape there
+        width = OBS_DIM
+        for i, (w, b, activation) in enumerate(layers):
+            if activation not in ("tanh", "relu", "none"):
+                raise ConfkvError(f"{folder}: layer {i} has activation {activation!r} (tanh, relu or none)")
+            if w.dim() != 2 or w.shape[1] != width or b.shape != (w.shape[0],):
+                raise ConfkvError(f"{folder}: layer {i} is {tuple(w.shape)} with bias {tuple(b.shape)}; its input "
+                                  f"is {width} wide")  # fmt: skip
+            width = w.shape[0]
         mlp = cls(layers=layers, action=action, meta={k: v for k, v in doc.items() if k in ("squash", "algo")},
                   space=space, budget_rule=rule)  # fmt: skip
         want = space.dim if space is not None else 3

@@ -54,6 +54,20 @@ def test_yaml_file_and_overrides(tmp_path: Path):
     assert (p.controller, p.max_size, p.scaling_factor, p.min_recent) == ("h2o", 900, 0.5, 64)
     # a controller name given beside the file wins over the file's
     assert resolve_policy("window", f).controller == "window"
+    # ... and a preset ranks its own way, whatever scorer the file's dynamic rule named (it was refused)
+    ranked = tmp_path / "ranked.yaml"
+    ranked.write_text("cache_policy:\n  controller: dynamic\n  scorer: h2o\n  max_size: 1024\n  base_size: 256\n")
+    assert resolve_policy("window", ranked).effective_scorer == "recency"
+
+
+def test_set_values_are_read_as_written():
+    """``--set`` numbers are decimal (YAML 1.1 read ``0512`` as octal 330 and ``1:30`` as base-60 90)."""
+    got = parse_overrides(["max_size=0512", "scaling_factor=1e-1", "reselect_after_prompt=true", "scorer=h2o",
+                           "host_cache_memory=2GiB", "memory_low_watermark=null", "entropy_threshold=-3"])  # fmt: skip
+    assert got == {"max_size": 512, "scaling_factor": 0.1, "reselect_after_prompt": True, "scorer": "h2o",
+                   "host_cache_memory": "2GiB", "memory_low_watermark": None, "entropy_threshold": -3}  # fmt: skip
+    with pytest.raises(ConfkvError, match="compact_interval"):
+        resolve_policy(None, None, ["compact_interval=1:30"])
 
 
 def test_bad_files_and_keys(tmp_path: Path):

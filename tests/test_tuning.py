@@ -773,3 +773,28 @@ def test_a_network_steers_the_decode_environment_as_it_steers_the_engine(data, t
         assert info["summary"]["budgets"][1:] == pytest.approx(out.trace.budget[1:], rel=1e-5), ep.item_id
         reruns += llm.engine.num_reruns
     assert reruns > 0  # the case that differed
+
+
+def test_a_malformed_learned_policy_is_refused_at_load(data, tmp_path):
+    """What would run wrong or fail inside an engine step is refused when the folder is read: an activation this
+    code does not apply (it ran as none), layers that do not chain from the observation, a format version that is
+    not a positive integer."""
+    import json as _json
+
+    g = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(8, OBS_DIM, generator=g), torch.zeros(8), "tanh"),
+              (torch.randn(5, 8, generator=g), torch.zeros(5), "none")]  # fmt: skip
+    folder = MLPPolicy(layers, "knobs").save(tmp_path / "net", data.base_policy)
+    good = _json.loads((folder / "policy.json").read_text())
+    MLPPolicy.load(folder)
+    gelu = _json.loads(_json.dumps(good))
+    gelu["layers"][0]["activation"] = "gelu"
+    for doc, says in ((gelu, "activation 'gelu'"), ({**good, "format_version": "v3"}, "format_version"),
+                      ({**good, "format_version": 0}, "format_version")):  # fmt: skip
+        (folder / "policy.json").write_text(_json.dumps(doc))
+        with pytest.raises(ConfkvError, match=says):
+            MLPPolicy.load(folder)
+    narrow = [(torch.randn(8, OBS_DIM - 1, generator=g), torch.zeros(8), "tanh"), layers[1]]
+    other = MLPPolicy(narrow, "knobs").save(tmp_path / "narrow", data.base_policy)
+    with pytest.raises(ConfkvError, match="input is 14 wide"):
+        MLPPolicy.load(other)
