@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ import yaml
 
 from confkv.config import CachePolicy
 from confkv.errors import ConfkvError
+
+log = logging.getLogger(__name__)
 
 ENTROPY_QUANTILE = 0.8  # entropy_threshold: the entropy 20% of tokens exceed
 GAP_QUANTILE = 0.2  # gap_threshold: the top-1/top-2 gap 20% of tokens fall below
@@ -82,11 +85,17 @@ def calibrated_thresholds(model: str, cache_dir: str | os.PathLike[str] | None =
     if path is None or not path.is_file():
         return None
     from confkv.config import load_policy_file
+    from confkv.model_loader import source_fingerprint
 
     try:
         policy = load_policy_file(path)
-    except ConfkvError as err:
+        measured = (yaml.safe_load(path.read_text()).get("calibration") or {}).get("weights")
+    except (ConfkvError, OSError, yaml.YAMLError, AttributeError) as err:
         raise ConfkvError(f"{err} (the calibration of {model}: run `confkv calibrate` again or delete it)") from None
+    if measured is not None and measured != source_fingerprint(model, cache_dir):
+        log.warning("the calibration of %s (%s) was measured on other weights than the model's files now hold; "
+                    "using the default thresholds until `confkv calibrate` runs again", model, path)  # fmt: skip
+        return None
     return {k: getattr(policy, k) for k in CALIBRATED_KEYS}
 
 
@@ -119,6 +128,9 @@ class Calibration:
     gap: torch.Tensor  # top-1 minus top-2 probability
     entropy_quantile: float = ENTROPY_QUANTILE
     gap_quantile: float = GAP_QUANTILE
+    #: ``model_loader.source_fingerprint`` of the weights measured: a model re-exported in place is not taken for
+    #: this one (None for tiny-random, which its seed defines)
+    weights: str | None = None
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
 
     @property
@@ -150,6 +162,7 @@ class Calibration:
         default = CachePolicy()
         return {
             "model": self.model,
+            "weights": self.weights,
             "text": self.source,
             "tokens": self.tokens,
             "created": self.created,
@@ -221,4 +234,7 @@ def calibrate(
     results = llm.score(passages, SKIP_TOKENS)
     entropy = torch.cat([r.entropy for r in results])
     gap = torch.cat([r.gap for r in results])
-    return Calibration(model, what, entropy, gap, entropy_quantile, gap_quantile)
+    from confkv.model_loader import source_fingerprint
+
+    return Calibration(model, what, entropy, gap, entropy_quantile, gap_quantile,
+                       weights=source_fingerprint(model, cache_dir))  # fmt: skip

@@ -74,3 +74,24 @@ def test_calibrate_errors(tmp_path, monkeypatch, capsys):
         assert confkv_main(["calibrate", "--model", "tiny-random", "--out", bad]) == 2
         assert "is a folder" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "short.txt"]
+
+
+def test_a_calibration_of_other_weights_is_not_used(tmp_path, monkeypatch, capsys):
+    """A local model re-exported in place (new weights, the same path) does not take the thresholds measured on
+    the old ones: the calibration records the files it measured."""
+    import os
+
+    from confkv.model_loader import tiny_random_model, tiny_random_tokenizer
+
+    monkeypatch.setenv("CONFKV_CALIBRATION", str(tmp_path / "cal"))
+    folder = tmp_path / "ckpt"
+    tiny_random_model(0).save_pretrained(folder)
+    tiny_random_tokenizer().save_pretrained(folder)
+    assert confkv_main(["calibrate", "--model", str(folder), "--tokens", "100"]) == 0
+    capsys.readouterr()
+    assert calibrated_thresholds(str(folder)) is not None
+    tiny_random_model(1).save_pretrained(folder)
+    weights = next(folder.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    assert calibrated_thresholds(str(folder)) is None
+    assert LLM(str(folder), "dynamic").policy.entropy_threshold == 3.5  # the requirement's, until recalibrated
