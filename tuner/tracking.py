@@ -71,7 +71,6 @@ def check_tracking_uri(uri: str | None) -> None:
         from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
     except ImportError:  # a private name: if MLflow moves it, the run itself reports the URI (see tuner.cli.main)
         return
-    _quiet()
     try:
         registry.get_store_builder(uri)
     except MlflowException:

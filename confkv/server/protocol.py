@@ -109,7 +109,11 @@ class _SamplingFields(BaseModel):
     cache_policy: dict[str, Any] | None = Field(None, description="per-request cache-policy overrides")
     session_id: SStr | None = Field(None, description="continue this session (1-128 of [A-Za-z0-9._-])")
 
-    _defaults = field_validator("ignore_eos", "n", "stream", mode="before")(classmethod(_null_is_default))
+    # one rule for the fields of both requests (``echo`` is the completions', ``logprobs`` both's, with their own
+    # defaults)
+    _defaults = field_validator("ignore_eos", "n", "stream", "echo", "logprobs", mode="before", check_fields=False)(
+        classmethod(_null_is_default)
+    )
 
     @field_validator("stop")
     @classmethod
@@ -183,8 +187,6 @@ class CompletionRequest(_SamplingFields):
     suffix: SStr | None = None
     best_of: SInt | None = None
 
-    _echo_default = field_validator("echo", mode="before")(classmethod(_null_is_default))
-
     @field_validator("prompt")
     @classmethod
     def _unicode_prompt(cls, v: Any) -> Any:
@@ -248,8 +250,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-
-    _logprobs_default = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
 
     @field_validator("messages")
     @classmethod
