@@ -2,12 +2,19 @@
 
 Everything the user can get wrong (a model that cannot be found, a bad policy value, an empty prompt) raises
 ``ConfkvError`` with a message that names the thing to fix; the CLI prints it without a traceback and exits non-zero,
-and the server (later) maps it to an HTTP 4xx.
+and the server maps it to an HTTP 4xx. ``param`` names the request field or setting at fault (OpenAI's ``param``), so
+the server never has to guess it from the message text.
 """
+
+from __future__ import annotations
 
 
 class ConfkvError(ValueError):
     """A user-facing error: bad input or configuration, never an internal bug."""
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFoundError(ConfkvError):
