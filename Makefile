@@ -36,6 +36,7 @@ $(PROMTOOL): | $(STAMP)
 ## Unit tests on tiny-random plus the integration tests on smollm2-135m.
 test: $(STAMP) $(PROMTOOL)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 ## Unit tests only (seconds).
@@ -81,6 +82,7 @@ serve-load: $(STAMP) $(HF_VENV)/.installed
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -2,7 +2,7 @@
 
 The deterministic action of PPO is its action head applied to the policy branch of the MLP extractor; SAC's is
 ``tanh`` of its mean head over the actor's latent network. Both are plain linear layers with activations, which
-``confkv.learned.MLPPolicy`` stores as safetensors plus a JSON description and runs inside the engine.
+``confkv.controllers.learned.MLPPolicy`` stores as safetensors plus a JSON description and runs inside the engine.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from confkv.config import CachePolicy
-from confkv.learned import KnobSpace, MLPPolicy
+from confkv.controllers.learned import KnobSpace, MLPPolicy
 
 
 def _linear_stack(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, str]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from confkv.config import CachePolicy
-from confkv.learned import KnobSpace
+from confkv.controllers.learned import KnobSpace
 
 
 class RuleAgent:

@@ -7,8 +7,8 @@ updates (SB3 finishes the last rollout, so it may step a little past ``timesteps
 updates of 64 segments (4 episodes x 16), each 10 epochs of 2 minibatches of 32: 640 gradient steps, where the
 earlier default (n_steps 128 x 4 envs for 2,048 steps) made 4 updates. ``log_std_init=-1`` starts the Gaussian
 policy at a standard deviation of 0.37 around its mean; with the knob map centred on the base policy
-(``confkv.learned.KnobSpace``) and the mean's output layer starting at zero, an untrained agent is exactly the base
-policy plus moderate exploration, not a uniform draw over the whole box.
+(``confkv.controllers.learned.KnobSpace``) and the mean's output layer starting at zero, an untrained agent is
+exactly the base policy plus moderate exploration, not a uniform draw over the whole box.
 
 Learning curves: SB3's own logger (``rollout/ep_rew_mean``, ``train/approx_kl``, ``train/loss`` ... per update,
 at the timestep reached) goes to ``log_metrics``; every finished episode to ``on_episode``; and every

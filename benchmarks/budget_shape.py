@@ -45,8 +45,9 @@ from common import shrunk_spec, split_arg
 from dynamic_ablation import TEACHER_FORCED, measure
 
 from confkv.bench.suite import Evaluator, Usage, baseline_policy, matched_budget, scaled_dynamic, suite_spec
-from confkv.config import CachePolicy, load_policy_file
+from confkv.config import CachePolicy
 from confkv.controllers import BudgetState, DynamicController, StepSignals
+from confkv.policy_source import load_policy
 from confkv.scoring import ScoreItem, Scorer
 
 _UNSURE = {"entropy": math.inf, "gap": 0.0, "top1_prob": 0.0}
@@ -166,7 +167,7 @@ def main() -> None:
     t0 = time.perf_counter()
     ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
-    base = load_policy_file(args.policy_file) if args.policy_file else scaled_dynamic(spec.scale)
+    base = load_policy(args.policy_file) if args.policy_file else scaled_dynamic(spec.scale)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     result: dict[str, Any] = {"model": args.model, "items": args.items, "split": args.split,
                               "base": base.model_dump(mode="json"), "workloads": {}}  # fmt: skip

@@ -28,9 +28,10 @@ from common import load, longgen_evaluator, parser, report, setup, variant_args
 from confkv.bench.suite import Usage, baseline_policy, matched_budget
 from confkv.bench.textmetrics import rouge_l
 from confkv.bench.throughput import ThroughputSpec, make_requests
-from confkv.config import CachePolicy, load_policy_file
+from confkv.config import CachePolicy
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import RequestOutput
+from confkv.policy_source import load_policy
 
 
 def first_divergence(full: RequestOutput, out: RequestOutput) -> int | None:
@@ -71,7 +72,7 @@ def main() -> None:
         return ev.llm(policy, max_batch_size=len(prompts), **step).generate(prompts, params, use_tqdm=False)
 
     full = run(CachePolicy(controller="full"))
-    variant = load_policy_file(args.policy_file)
+    variant = load_policy(args.policy_file)
     name = Path(args.policy_file).stem
     runs = {name: run(variant)}
     usage = Usage("decode")

@@ -33,7 +33,8 @@ from confkv.bench.suite import (
     scaled_dynamic,
     suite_spec,
 )
-from confkv.config import CachePolicy, load_policy_file
+from confkv.config import CachePolicy
+from confkv.policy_source import load_policy
 
 #: Each variant: policy keys changed from the requirement's dynamic defaults scaled to the suite.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -93,7 +94,7 @@ def main() -> None:
         workloads += ["passkey", "multikey"]
     rows = []
     variants = [(n, base.replace(**c), base) for n, c in map(parse_variant, filter(None, args.variants.split(",")))]
-    variants += [(Path(f).stem, p, p) for f, p in ((f, load_policy_file(f)) for f in args.policy_file)]
+    variants += [(Path(f).stem, p, p) for f, p in ((f, load_policy(f)) for f in args.policy_file)]
     for name, policy, matched_from in variants:
         for workload in workloads:
             t1 = time.perf_counter()

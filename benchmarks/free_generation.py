@@ -23,7 +23,8 @@ from common import load, longgen_evaluator, parser, report, setup, variant_args
 
 from confkv.bench.suite import baseline_policy, matched_budget
 from confkv.bench.textmetrics import bleu4
-from confkv.config import CachePolicy, load_policy_file
+from confkv.config import CachePolicy
+from confkv.policy_source import load_policy
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
     device, env = setup(args)
     loaded = load(args, device)
     ev = longgen_evaluator(args, loaded, args.max_tokens, args.seed)
-    variant = load_policy_file(args.policy_file)
+    variant = load_policy(args.policy_file)
     name = Path(args.policy_file).stem
 
     t0 = time.perf_counter()

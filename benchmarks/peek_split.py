@@ -22,7 +22,7 @@ import torch
 from common import shrunk_spec
 
 from confkv.bench.suite import Evaluator, suite_spec
-from confkv.config import load_policy_file
+from confkv.policy_source import load_policy
 from confkv.scoring import ScoreItem, Scorer
 
 SPANS = ((1, 1), (2, 5), (6, 20), (21, None))
@@ -51,7 +51,7 @@ def main() -> None:
     items = [ScoreItem(r.scored_ids, r.score_from, r.topk) for r in ev.references[args.workload]]
     report = {}
     for f in args.policy_file:
-        results = Scorer(ev.llm(load_policy_file(f)).engine).score(items)
+        results = Scorer(ev.llm(load_policy(f)).engine).score(items)
         kl = torch.cat([r.kl for r in results]).double()
         dist = torch.tensor([d for r in results for d in since_last_peek(r.resident.tolist(), args.peek_resident)])
         rows = {"all": (kl.numel(), kl.mean().item()), "peek": _part(kl, dist == 0)}

@@ -22,7 +22,8 @@ from common import load, parser, report, setup, split_arg
 from confkv import LLM, SamplingParams
 from confkv.bench.suite import baseline_policy, suite_spec
 from confkv.bench.workloads import WorkloadItem, make_workload
-from confkv.config import CachePolicy, load_policy_file
+from confkv.config import CachePolicy
+from confkv.policy_source import load_policy
 
 
 def _find(ids: list[int], part: list[int]) -> int | None:
@@ -79,8 +80,8 @@ def main() -> None:
     sizes = dict(suite_spec(args.model, "standard").multikey)
     sizes.pop("n")
     items = make_workload("multikey", loaded.tokenizer, split=args.split, n=args.items, **sizes)
-    policies: list[tuple[str, CachePolicy]] = [(Path(f).stem, load_policy_file(f)) for f in args.policy_file]
-    base = load_policy_file(args.baselines_from) if args.baselines_from else CachePolicy()
+    policies: list[tuple[str, CachePolicy]] = [(Path(f).stem, load_policy(f)) for f in args.policy_file]
+    base = load_policy(args.baselines_from) if args.baselines_from else CachePolicy()
     for spec in filter(None, args.baselines.split(",")):
         name, _, tokens = spec.partition(":")
         policies.append((spec, baseline_policy(base, name, int(tokens))))

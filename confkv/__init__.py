@@ -2,10 +2,10 @@
 
 from confkv.config import CachePolicy, EngineConfig, load_policy_file
 from confkv.engine.engine import LLMEngine
-from confkv.engine.llm import LLM
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import RequestOutput
 from confkv.errors import ConfkvError
+from confkv.llm import LLM
 
 __all__ = [
     "LLM",

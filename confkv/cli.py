@@ -15,8 +15,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from confkv.config import BUILTIN_POLICIES, CONTROLLER_NAMES
+from confkv.config import BUILTIN_POLICIES
 from confkv.errors import ConfkvError
+from confkv.plugins import CONTROLLERS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -52,8 +53,7 @@ def _add_policy_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
         *(["--cache-policy"] if serving else []),
         dest="policy",
         default=None,
-        help=f"KV cache policy: {', '.join(CONTROLLER_NAMES)}{registry} (default: dynamic, or the policy file's "
-        "controller)",
+        help=f"KV cache policy: {', '.join(CONTROLLERS)}{registry} (default: dynamic, or the policy file's controller)",
     )
     p.add_argument("--policy-file", default=None, help=f"YAML file with a top-level cache_policy: mapping{watched}")
     p.add_argument(
@@ -187,7 +187,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def _make_llm(args: argparse.Namespace, max_batch_size: int = 1):
     from confkv.config import parse_overrides
-    from confkv.engine.llm import LLM
+    from confkv.llm import LLM
 
     return LLM(
         model=args.model,
@@ -304,9 +304,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not policies and not args.policy_file:
         raise ConfkvError("no policy to measure")
     for f in args.policy_file:
-        from confkv.config import load_policy_file
+        from confkv.policy_source import load_policy
 
-        load_policy_file(f)
+        load_policy(f)
     out_folder(args.out)
     results = run_suite(
         args.model,
@@ -337,9 +337,9 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     if not scenarios or set(scenarios) - {"burst", "poisson"}:
         raise ConfkvError("--scenarios takes burst and/or poisson")
     for f in args.policy_file:
-        from confkv.config import load_policy_file
+        from confkv.policy_source import load_policy
 
-        load_policy_file(f)
+        load_policy(f)
     spec = TINY_THROUGHPUT if args.model == "tiny-random" else ThroughputSpec()
     changes = {"arrival_rate": args.arrival_rate, "requests": args.requests, "max_tokens": args.max_tokens}
     if any(v is not None and not (math.isfinite(v) and v > 0) for v in changes.values()):
@@ -357,7 +357,8 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from confkv.calibration import calibrate, calibration_path
+    from confkv.bench.calibrate import calibrate
+    from confkv.calibration import calibration_path
 
     out = args.out or calibration_path(args.model, args.cache_dir)
     if out is None:

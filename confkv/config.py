@@ -1,7 +1,9 @@
 """Configuration: the cache policy (the requirement's keys and defaults) and the engine settings.
 
 Both are pydantic models so that a YAML file, a ``--set KEY=VALUE`` override and a Python call are validated by
-the same rules, and every error names the field and its allowed range.
+the same rules, and every error names the field and its allowed range. This module holds data only: controller and
+scorer names are checked against the tables the policy layer registers in (``confkv.plugins``), and turning a name,
+a file or a registry reference into a policy is ``confkv.policy_source``'s job.
 """
 
 from __future__ import annotations
@@ -14,18 +16,10 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from confkv.errors import ConfkvError
+from confkv.plugins import CONTROLLERS, SCORERS
 
-#: Controllers the engine knows; ``confkv.controllers`` holds one class per name. ``window``, ``streaming``,
-#: ``h2o`` and ``snapkv`` are presets of ``fixed`` (a fixed budget) with a scorer each.
-CONTROLLER_NAMES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic", "fixed", "learned")
 #: The built-in policies, the ones benchmarks compare (``learned`` needs an exported policy folder).
 BUILTIN_POLICIES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic")
-#: The scorer each preset uses; ``dynamic``, ``learned`` and ``fixed`` take the policy's ``scorer`` key.
-PRESET_SCORERS: dict[str, str] = {"window": "recency", "streaming": "recency", "h2o": "h2o", "snapkv": "snapkv"}
-#: ``dynamic`` ranks with snapkv: at equal mean memory it loses less than h2o's accumulated attention on every
-#: workload measured (BENCHMARKS.md, "What makes dynamic lose"), and it records no decode attention, so decode steps
-#: keep the fused attention kernel.
-DEFAULT_SCORER = {"dynamic": "snapkv", "learned": "snapkv", "fixed": "recency"}
 #: The old ``importance`` key, still read from policy files: what each value meant, as a scorer.
 _IMPORTANCE_SCORERS = {"attention": "h2o", "recency": "recency"}
 
@@ -39,7 +33,9 @@ class CachePolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    controller: str = Field("dynamic", description="one of " + ", ".join(CONTROLLER_NAMES))
+    controller: str = Field(
+        "dynamic", description="the budget rule: full, window, streaming, h2o, snapkv, dynamic, fixed or learned"
+    )
     base_size: int = Field(1024, ge=1, description="budget (tokens) the dynamic controller returns to when confident")
     max_size: int = Field(4096, ge=1, description="the most tokens a sequence may keep on the device")
     entropy_threshold: float = Field(3.5, ge=0, description="entropy (nats) above which a step counts as uncertain")
@@ -111,20 +107,19 @@ class CachePolicy(BaseModel):
     @property
     def effective_scorer(self) -> str | None:
         """The scorer this policy ranks blocks with (``None`` for ``full``, which never evicts)."""
-        if self.controller == "full":
-            return None
-        return PRESET_SCORERS.get(self.controller) or self.scorer or DEFAULT_SCORER[self.controller]
+        rule = CONTROLLERS[self.controller]
+        if rule.default_scorer is None or rule.preset:
+            return rule.default_scorer
+        return self.scorer or rule.default_scorer
 
     @model_validator(mode="after")
     def _check_ranges(self) -> CachePolicy:
-        if self.controller not in CONTROLLER_NAMES:
-            raise ValueError(f"controller must be one of {', '.join(CONTROLLER_NAMES)} (got {self.controller!r})")
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)} (got {self.controller!r})")
         if self.scorer is not None:
-            from confkv.scorers import SCORER_NAMES
-
-            if self.scorer not in SCORER_NAMES:
-                raise ValueError(f"scorer must be one of {', '.join(SCORER_NAMES)} (got {self.scorer!r})")
-            preset = PRESET_SCORERS.get(self.controller)
+            if self.scorer not in SCORERS:
+                raise ValueError(f"scorer must be one of {', '.join(SCORERS)} (got {self.scorer!r})")
+            preset = preset_scorer(self.controller)
             if preset is not None and self.scorer != preset:
                 raise ValueError(
                     f"controller {self.controller!r} is the preset fixed + {preset}; for another scorer use "
@@ -159,9 +154,15 @@ class CachePolicy(BaseModel):
     def replace(self, **changes: Any) -> CachePolicy:
         """A validated copy with some fields changed (``model_copy`` would skip validation). Switching to a preset
         controller without naming a scorer takes the preset's own."""
-        if changes.get("controller") in PRESET_SCORERS and "scorer" not in changes:
+        if preset_scorer(changes.get("controller")) is not None and "scorer" not in changes:
             changes["scorer"] = None
         return make_policy({**self.model_dump(), **changes})
+
+
+def preset_scorer(controller: object) -> str | None:
+    """The scorer a preset controller always ranks with; ``None`` for a rule that takes the policy's ``scorer``."""
+    rule = CONTROLLERS.get(controller) if isinstance(controller, str) else None
+    return rule.default_scorer if rule is not None and rule.preset else None
 
 
 def format_validation_error(err: ValidationError, what: str) -> str:
@@ -189,13 +190,9 @@ def load_policy_file(path: str | Path) -> CachePolicy:
     """Read a YAML file whose top-level ``cache_policy:`` mapping holds the policy's keys.
 
     A folder (an exported learned policy) is read through its ``policy.yaml``; a relative ``learned_path`` is
-    taken relative to the YAML file, so exported folders can be moved. A ``registry://NAME@ALIAS`` (or
-    ``@VERSION``) reference is resolved through the policy registry (``store.refs``).
+    taken relative to the YAML file, so exported folders can be moved. (A ``registry://`` reference is read by
+    ``confkv.policy_source.load_policy``, which hands plain files here.)
     """
-    if isinstance(path, str) and path.startswith("registry://"):
-        from store.refs import resolve_ref
-
-        return resolve_ref(path).policy
     p = Path(path)
     if p.is_dir():
         p = p / "policy.yaml"
@@ -252,39 +249,6 @@ def _override_value(raw: str) -> Any:
         except yaml.YAMLError:
             return raw
     return raw
-
-
-def resolve_policy(
-    policy: str | CachePolicy | None = None,
-    policy_file: str | Path | None = None,
-    overrides: list[str] | dict[str, Any] | None = None,
-    *,
-    model: str | None = None,
-    cache_dir: str | Path | None = None,
-) -> CachePolicy:
-    """Combine the three ways of naming a policy; later ones win: file, then controller name, then overrides.
-
-    With ``model`` given, the default policy (``dynamic`` named by name or not at all, no file) takes the model's
-    calibrated ``entropy_threshold``/``gap_threshold`` when ``confkv calibrate`` has written them
-    (``confkv.calibration``); overrides still win.
-    """
-    if isinstance(policy, CachePolicy):
-        base = policy.model_dump()
-    else:
-        base = load_policy_file(policy_file).model_dump() if policy_file else {}
-        if policy is not None:
-            if policy not in CONTROLLER_NAMES:
-                raise ConfkvError(f"unknown policy {policy!r}; choose one of: {', '.join(CONTROLLER_NAMES)}")
-            base["controller"] = policy
-            if policy in PRESET_SCORERS:  # a preset ranks its own way: a file's scorer belongs to the file's rule
-                base["scorer"] = None
-        if model is not None and not policy_file and base.get("controller", "dynamic") == "dynamic":
-            from confkv.calibration import calibrated_thresholds
-
-            base.update(calibrated_thresholds(model, cache_dir) or {})
-    if overrides:
-        base.update(parse_overrides(overrides) if isinstance(overrides, list) else overrides)
-    return make_policy(base)
 
 
 #: What ``torch.Generator.manual_seed`` takes (the engine's seed and every request's).

@@ -23,9 +23,9 @@ import gymnasium as gym
 import numpy as np
 
 from confkv.controllers import BudgetState, StepSignals
+from confkv.controllers.learned import segment_observation
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import Sequence
-from confkv.learned import segment_observation
 from envs.env import (
     ReadController,
     RewardWeights,

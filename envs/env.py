@@ -1,7 +1,7 @@
 """A gymnasium environment over the engine: one episode is one workload item, one step one segment.
 
 A step (1) turns the agent's action into a controller and a budget (``decide``: the dynamic rule's five knobs, or a
-direct budget change; see ``confkv.learned``), (2) moves the sequence's applied budget there at once
+direct budget change; see ``confkv.controllers.learned``), (2) moves the sequence's applied budget there at once
 (``LLMEngine.resize``: evicting, or recalling host blocks scored by the newest query), (3) scores the next
 ``compact_interval`` tokens teacher-forced under that controller and returns
 
@@ -39,8 +39,15 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from confkv.config import CachePolicy
 from confkv.controllers import BudgetState, DynamicController, StepSignals
+from confkv.controllers.learned import (
+    OBS_DIM,
+    KnobSpace,
+    apply_budget_action,
+    full_knobs,
+    replay_budget,
+    segment_observation,
+)
 from confkv.errors import ConfkvError
-from confkv.learned import OBS_DIM, KnobSpace, apply_budget_action, full_knobs, replay_budget, segment_observation
 from confkv.scoring import ItemState, Scorer, ScoringSession
 from envs.episodes import Episode, TuneData
 

@@ -22,8 +22,8 @@ from typing import Any
 from confkv.bench.reference import ReferenceStore, build_references
 from confkv.bench.workloads import make_workload
 from confkv.config import CachePolicy
-from confkv.engine.llm import LLM
-from confkv.learned import KnobSpace
+from confkv.controllers.learned import KnobSpace
+from confkv.llm import LLM
 from confkv.model_loader import LoadedModel, load_model
 from confkv.scoring import ScoreItem
 

@@ -98,7 +98,7 @@ def pack_policy(policy: CachePolicy) -> PackedPolicy:
         params = policy.model_dump(mode="json", exclude={"learned_path"}, exclude_none=True)
         data = policy_yaml(params)
         return PackedPolicy(KIND_RULE, params, data, sha256_hex(data), policy)
-    from confkv.learned import MLPPolicy
+    from confkv.controllers.learned import MLPPolicy
 
     src = Path(policy.learned_path or "")
     if not src.is_dir():
@@ -188,7 +188,7 @@ def materialise(kind: str, data: bytes, sha256: str, what: str) -> tuple[CachePo
         if kind != KIND_LEARNED:
             raise ArtifactError(f"{what}: unknown policy kind {kind!r}")
         folder = _unpack_cached(data, sha256)
-        from confkv.learned import MLPPolicy
+        from confkv.controllers.learned import MLPPolicy
 
         policy = load_policy_file(folder)
         MLPPolicy.load(folder)

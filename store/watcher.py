@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from confkv.config import CachePolicy, make_policy
 from confkv.errors import ConfkvError
 from store.errors import ArtifactUnavailable
 from store.refs import ResolvedPolicy, parse_ref
@@ -197,61 +196,6 @@ class PolicyWatcher:
         except ValueError:
             return True
         return doc.get("policy") == self.name
-
-
-# ------------------------------------------------------------------------------------------------ engines
-def registry_policy(
-    ref: str,
-    controller: str | None = None,
-    overrides: dict[str, Any] | None = None,
-    registry_url: str | None = None,
-) -> tuple[ResolvedPolicy, CachePolicy]:
-    """Resolve ``ref`` and put a controller name and keyword overrides on top, as ``resolve_policy`` does for a
-    policy file (``LLM(policy="h2o", policy_file="registry://...", max_size=...)``)."""
-    from store.refs import resolve_ref
-
-    resolved = resolve_ref(ref, registry_url)
-    return resolved, apply_overrides(resolved.policy, controller, overrides)
-
-
-def apply_overrides(policy: CachePolicy, controller: str | None, overrides: dict[str, Any] | None) -> CachePolicy:
-    if controller is None and not overrides:
-        return policy
-    values = policy.model_dump()
-    if controller is not None:
-        values["controller"] = controller
-    values.update(overrides or {})
-    return make_policy(values)
-
-
-def watch_engine(
-    engine: Any,
-    resolved: ResolvedPolicy,
-    *,
-    controller: str | None = None,
-    overrides: dict[str, Any] | None = None,
-    registry_url: str | None = None,
-    interval_s: float = 5.0,
-) -> PolicyWatcher:
-    """Start a watcher that hands every new version of ``resolved``'s reference to ``engine`` (an ``LLMEngine``).
-
-    The engine builds the new controller in ``request_policy`` (on the watcher's thread, outside any step) and
-    swaps it in at the start of its next step; a version that fails to load, or that the engine refuses, is
-    counted by ``engine.record_refused_policy`` and the running policy stays. The same controller name and
-    overrides as at start-up are applied to every new version.
-    """
-    ref = resolved.ref
-
-    def on_change(r: ResolvedPolicy) -> None:
-        policy = apply_overrides(r.policy, controller, overrides)
-        engine.request_policy(policy, source=r.ref, version=str(r.version), name=r.name)
-
-    def on_refused(reason: str) -> None:
-        engine.record_refused_policy(ref, reason)
-
-    watcher = PolicyWatcher(ref, on_change, on_refused, registry_url=registry_url, interval_s=interval_s,
-                            current_version=resolved.version)  # fmt: skip
-    return watcher.start()
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:

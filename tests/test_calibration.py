@@ -11,9 +11,10 @@ import yaml
 from confkv.calibration import calibrated_thresholds, calibration_path
 from confkv.cli import _make_llm, build_parser
 from confkv.cli import main as confkv_main
-from confkv.config import load_policy_file, resolve_policy
-from confkv.engine.llm import LLM
+from confkv.config import load_policy_file
 from confkv.errors import ConfkvError
+from confkv.llm import LLM
+from confkv.policy_source import resolve_policy
 
 
 def test_calibrate_writes_a_policy_the_default_policy_uses(tmp_path, monkeypatch, capsys):

@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from confkv.config import CachePolicy, load_policy_file, make_policy, parse_overrides, resolve_policy
+from confkv.config import CachePolicy, load_policy_file, make_policy, parse_overrides
 from confkv.errors import ConfkvError
+from confkv.policy_source import resolve_policy
 
 
 def test_defaults_are_the_requirements():

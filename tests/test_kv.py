@@ -1,11 +1,11 @@
 import pytest
 import torch
 
+from confkv.cache.manager import CacheManager
 from confkv.config import CachePolicy
 from confkv.controllers import make_controller
 from confkv.kv.block_table import ON_HOST
 from confkv.kv.host import HostTier
-from confkv.kv.manager import CacheManager
 from confkv.kv.pool import BlockPool
 
 L, KVH, D, BS = 2, 2, 8, 4

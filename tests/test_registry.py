@@ -25,8 +25,8 @@ import yaml
 from confkv import LLM, SamplingParams
 from confkv.cli import main as confkv_main
 from confkv.config import CachePolicy, load_policy_file
+from confkv.controllers.learned import OBS_DIM, MLPPolicy
 from confkv.errors import ConfkvError
-from confkv.learned import OBS_DIM, MLPPolicy
 from envs.episodes import default_base_policy
 from store.artifacts import sha256_hex
 from store.db import (
@@ -493,8 +493,9 @@ def test_hot_swap_through_the_watcher_mid_batch(request: pytest.FixtureRequest, 
     interval = 0.05 if backend == "sqlite" else 60.0
     llm = LLM("tiny-random", policy_file="registry://hs@production", registry_url=url, loaded=fresh_tiny(),
               policy_watch_interval_s=interval, max_batch_size=4)  # fmt: skip
-    watcher = llm.policy_watcher
-    assert watcher is not None and llm.engine.policy_info["version"] == "1" and llm.policy == v1
+    assert llm.policy_watcher is not None
+    watcher = llm.policy_watcher.watcher
+    assert llm.engine.policy_info["version"] == "1" and llm.policy == v1
     if backend == "postgresql":
         assert wait_until(lambda: watcher.listening, 10)
     prompts = ["The registry swaps policies while requests run. " * 3, "Short prompt.", "Count: one two three four"]
@@ -517,7 +518,7 @@ def test_hot_swap_through_the_watcher_mid_batch(request: pytest.FixtureRequest, 
             assert llm.engine.stats()["policy_swaps"] == 1
             assert _budgets(llm, ids) == before  # carried over, and held still by v2: not reset to base_size
         steps += 1
-    assert llm.engine.policy_info == {"name": "hs", "version": "2", "source": "registry://hs@production"}
+    assert llm.engine.policy_info == {"name": "hs@2 (production)", "version": "2", "source": "registry://hs@production"}
     assert llm.policy.scaling_factor == 1.0
 
     reference = LLM("tiny-random", "full", loaded=fresh_tiny(), max_batch_size=4).generate(prompts, params)

@@ -13,7 +13,7 @@ from confkv import LLM, CachePolicy, SamplingParams
 from confkv.controllers import make_controller
 from confkv.errors import ConfkvError
 from confkv.kv.pool import BlockPool
-from confkv.scorers import SCORER_NAMES, BlockView, make_scorer
+from confkv.scorers import SCORERS, BlockView, make_scorer
 
 from .conftest import fresh_tiny
 
@@ -38,7 +38,7 @@ def _order(scorer: str, view: BlockView) -> list[int]:
 
 
 def test_every_method_is_registered():
-    assert set(SCORER_NAMES) == {"recency", "h2o", "snapkv", "knorm", "tova", "decayed"}
+    assert set(SCORERS) == {"recency", "h2o", "snapkv", "knorm", "tova", "decayed"}
     with pytest.raises(ValueError, match="unknown scorer"):
         make_scorer("magic", CachePolicy())
 
@@ -96,7 +96,7 @@ def test_presets_reproduce_the_outputs_recorded_before_scorers(name):
     assert [o.kv["evicted_blocks"] for o in outs] == case["evicted"]
 
 
-@pytest.mark.parametrize("scorer", SCORER_NAMES)
+@pytest.mark.parametrize("scorer", list(SCORERS))
 def test_dynamic_runs_with_every_scorer(tiny, scorer):
     llm = LLM("tiny-random", "dynamic", loaded=tiny, base_size=48, max_size=128, min_recent=16, compact_interval=8,
               entropy_threshold=1.0, scorer=scorer, max_num_batched_tokens=64)  # fmt: skip

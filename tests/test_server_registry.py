@@ -64,7 +64,7 @@ def wait_for(pred, what: str, timeout: float = 15.0) -> None:
 def test_alias_moves_swap_the_policy_and_corrupt_versions_are_refused(server, reg):
     url, r = reg
     doc = current(server)
-    assert doc["version"] == "1" and doc["source"] == "registry:registry://srv@production"
+    assert doc["version"] == "1" and doc["source"] == "registry://srv@production"
     assert doc["policy"]["controller"] == "window" and doc["policy"]["max_size"] == 96
     swaps = total(server, "confkv:policy_swaps")
 
@@ -92,7 +92,7 @@ def test_alias_moves_swap_the_policy_and_corrupt_versions_are_refused(server, re
 
 
 class _EngineThreadRecorder:
-    """What ``follow_registry`` hands policies to, recorded (the engine thread's two calls it makes)."""
+    """What ``follow_policy`` hands policies to, recorded (the engine thread's two calls it makes)."""
 
     def __init__(self) -> None:
         self.applied: list[CachePolicy] = []
@@ -111,15 +111,16 @@ class _EngineThreadRecorder:
 def test_a_followed_version_keeps_the_servers_overrides(tmp_path):
     """``confkv serve --policy registry://... --override k=v`` applies the override to every version it swaps in,
     as it did to the start policy; a version the override cannot apply to is refused."""
-    from confkv.server.policy_sources import follow_registry
+    from confkv.policy_source import choose_policy
+    from confkv.server.main import follow_policy
 
     url = f"sqlite:///{tmp_path / 'r.db'}"
     r = registry.Registry(url)
     r.register("ovr", CachePolicy(controller="window", max_size=96))
     r.promote("ovr", 1)
     et = _EngineThreadRecorder()
-    w = follow_registry("registry://ovr@production", et, registry_url=url, interval_s=0.05, current_version=1,
-                        overrides=["max_size=64"])  # fmt: skip
+    choice = choose_policy(None, "registry://ovr@production", ["max_size=64"], registry_url=url)
+    w = follow_policy(choice, et, interval_s=0.05, registry_url=url)
     try:
         r.register("ovr", CachePolicy(controller="window", max_size=128))
         r.promote("ovr", 2)
@@ -128,6 +129,6 @@ def test_a_followed_version_keeps_the_servers_overrides(tmp_path):
         r.register("ovr", CachePolicy(controller="dynamic", base_size=128, max_size=256, min_recent=32))
         r.promote("ovr", 3)  # max_size 64 under base_size 128: the override does not apply to this version
         wait_for(lambda: et.refused, "the version the override cannot apply to was not refused")
-        assert len(et.applied) == 1 and "max_size" in et.refused[0] and w.current_version == 2
+        assert len(et.applied) == 1 and "max_size" in et.refused[0] and w.watcher.current_version == 2
     finally:
         w.stop()

@@ -276,7 +276,7 @@ def test_a_delete_that_fails_after_a_write_is_not_undone_by_it(tmp_path, monkeyp
     tiers._store_down_until = 0.0
     (out,) = llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="gone")
     assert out.cached_tokens == 0 and "restore_s" not in out.timing  # not restored from the deleted record
-    tiers._last_sweep = 0.0
+    tiers.request_sweep()
     tiers.housekeeping()  # the sweep sends the delete again
     _answered(tiers, lambda: "gone" not in tiers._unconfirmed_deletes)
     assert not SessionStore(url).exists("gone")
@@ -308,7 +308,7 @@ def test_the_expiry_sweep_goes_past_an_object_it_cannot_read(tmp_path):
     llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id="zzz")
     llm.engine.flush_sessions()
     (tmp_path / "sweep" / "aaa.tokens").write_bytes(b"not a tokens object")  # sorts first
-    llm.engine.sessions._jobs.put(("sweep", time.time() + 1))  # everything is older than that
+    llm.engine.sessions.worker.submit(("sweep", time.time() + 1))  # everything is older than that
     deadline = time.monotonic() + 30
     while SessionStore(url).exists("zzz"):
         assert time.monotonic() < deadline, "the sweep stopped at the unreadable object"

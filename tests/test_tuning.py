@@ -16,8 +16,8 @@ from stable_baselines3.common.env_checker import check_env as sb3_check_env
 from agents.rule import RuleAgent
 from confkv import LLM, SamplingParams
 from confkv.config import load_policy_file
+from confkv.controllers.learned import OBS_DIM, KnobSpace, MLPPolicy
 from confkv.errors import ConfkvError
-from confkv.learned import OBS_DIM, KnobSpace, MLPPolicy
 from envs.env import ConfKVEnv, ConfKVVecEnv, RewardWeights
 from envs.episodes import build_episodes, hold_out, scaled_sizes
 from envs.evaluate import evaluate_agent, evaluate_policy, reference_rewards
@@ -748,7 +748,7 @@ def test_a_network_steers_the_decode_environment_as_it_steers_the_engine(data, t
     """The decode environment builds a learned controller's observations from the signals the engine's controller
     decided on; after a recall the token is chosen from the second pass, whose signals it used before, so a network
     trained there saw other inputs than it gets when serving, and moved the budget elsewhere."""
-    from confkv.learned import LearnedController
+    from confkv.controllers.learned import LearnedController
     from envs.decode_env import ConfKVDecodeEnv
 
     g = torch.Generator().manual_seed(2)

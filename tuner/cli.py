@@ -239,7 +239,9 @@ def resolve_policy_arg(
         return baseline_policy(base, spec)
     path = Path(spec)
     if path.exists() or spec.startswith("registry://"):
-        return load_policy_file(spec)
+        from confkv.policy_source import load_policy
+
+        return load_policy(spec)
     raise ConfkvError(f"policy {spec!r} is neither a file, an exported folder, nor one of default, calibrated, "
                       f"{', '.join(BUILTIN_POLICIES)}")  # fmt: skip
 
@@ -249,12 +251,12 @@ def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def _scorers(args: argparse.Namespace) -> list[str]:
-    from confkv.scorers import SCORER_NAMES
+    from confkv.plugins import SCORERS
 
     names = [n.strip() for n in (args.scorer or "").split(",") if n.strip()]
-    bad = [n for n in names if n not in SCORER_NAMES]
+    bad = [n for n in names if n not in SCORERS]
     if bad:
-        raise ConfkvError(f"unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}")
+        raise ConfkvError(f"unknown scorer {bad[0]!r}; choose from {', '.join(SCORERS)}")
     if len(names) > 1 and args.algo != "optuna":
         raise ConfkvError("an agent runs under one scorer (a sequence keeps its scorer); --scorer takes a list with "
                           "--algo optuna only")  # fmt: skip
@@ -320,7 +322,7 @@ def _warm_start(args: argparse.Namespace, data: Any, scorers: list[str]) -> dict
     """Centre the agent's space on ``--init-policy``'s knobs, keeping the bounds searched around the tuned base, so
     the untrained agent is that policy (typically an Optuna run's best); with ``--keep best`` the export is never
     below it on the training episodes (held-out items may still differ). Returns the run parameters it sets."""
-    from confkv.learned import KNOB_NAMES
+    from confkv.controllers.learned import KNOB_NAMES
 
     init = resolve_policy_arg(args.init_policy, data.base_policy, args.model, args.cache_dir)
     if init.controller != "dynamic":

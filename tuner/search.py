@@ -1,6 +1,6 @@
 """Optuna search over the dynamic rule's knobs and sizes, with the environment's reward as objective.
 
-The search space is the agents' (``confkv.learned.KnobSpace.for_policy`` around the base policy, built by
+The search space is the agents' (``confkv.controllers.learned.KnobSpace.for_policy`` around the base policy, built by
 ``envs.env.knob_space``): ``entropy_threshold``, ``gap_threshold``, ``scaling_factor`` over the same bounds,
 ``base_size`` and ``max_size`` over the same block-rounded ranges with ``max_size >= base_size``. What differs is
 what a point is: a trial is one constant policy for a whole episode, an agent's action sets the knobs segment by
@@ -28,8 +28,8 @@ from typing import Any
 import optuna
 
 from confkv.config import CachePolicy
+from confkv.controllers.learned import KnobSpace
 from confkv.errors import ConfkvError
-from confkv.learned import KnobSpace
 from envs.env import RewardWeights, knob_space
 from envs.episodes import TuneData
 from envs.evaluate import evaluate_policy

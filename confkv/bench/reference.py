@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from confkv.engine.llm import LLM
 from confkv.engine.params import SamplingParams
+from confkv.llm import LLM
 from confkv.model_loader import cache_root
 from confkv.scoring import REFERENCE_TOPK, ScoreItem, Scorer, TopK
 

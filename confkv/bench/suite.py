@@ -45,13 +45,14 @@ import torch
 from confkv.bench.reference import Reference, ReferenceStore, build_references
 from confkv.bench.textmetrics import bleu4, rouge_l
 from confkv.bench.workloads import WorkloadItem, make_workload
-from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
-from confkv.engine.llm import LLM
+from confkv.config import BUILTIN_POLICIES, CachePolicy
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import RequestOutput
 from confkv.errors import ConfkvError
 from confkv.kv.pool import BlockPool
+from confkv.llm import LLM
 from confkv.model_loader import LoadedModel, load_model
+from confkv.policy_source import load_policy
 from confkv.scoring import ScoreItem, Scorer, ScoreResult
 
 #: The measures of a suite, in report order; each has its own resident KV and, for baselines, its own budget.
@@ -607,7 +608,7 @@ def plan_policies(names: list[str], policy_files: list[str], dynamic: CachePolic
         if name not in BUILTIN_POLICIES:
             raise ConfkvError(f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)}")
     taken = set(names)
-    files = [(row_name(Path(f).stem, taken), load_policy_file(f)) for f in policy_files]
+    files = [(row_name(Path(f).stem, taken), load_policy(f)) for f in policy_files]
     plan: list[PlannedPolicy] = []
     if "full" in names:
         plan.append(PlannedPolicy("full", CachePolicy(controller="full")))

@@ -33,12 +33,13 @@ from confkv.bench.corpus import split_passage
 from confkv.bench.suite import git_commit, scaled_dynamic
 from confkv.bench.textmetrics import rouge_l
 from confkv.bench.workloads import render_chat
-from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
-from confkv.engine.llm import LLM
+from confkv.config import BUILTIN_POLICIES, CachePolicy
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
 from confkv.kv.pool import BlockPool
+from confkv.llm import LLM
 from confkv.model_loader import LoadedModel, load_model
+from confkv.policy_source import load_policy
 
 TASKS = (
     "Summarise the excerpt above in a few sentences.",
@@ -293,7 +294,7 @@ def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputS
         else:  # fixed baselines at dynamic's ceiling
             out.append((name, baseline_policy(dynamic, name, dynamic.max_size)))
     taken = set(names) | {"full"}  # the quality reference is added as "full" when no row keeps everything
-    out.extend((row_name(Path(f).stem, taken), load_policy_file(f)) for f in policy_files)
+    out.extend((row_name(Path(f).stem, taken), load_policy(f)) for f in policy_files)
     if not any(p.controller == "full" for _, p in out):
         out.insert(0, ("full", CachePolicy(controller="full")))  # the quality reference
     out.sort(key=lambda p: p[1].controller != "full")

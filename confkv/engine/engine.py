@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from confkv.cache.manager import CacheManager
 from confkv.confidence import Signals, confidence_signals
 from confkv.config import CachePolicy, EngineConfig
 from confkv.controllers import Controller, StepSignals, make_controller
@@ -40,9 +41,9 @@ from confkv.engine.sequence import RequestOutput, Sequence, Status, TokenLogprob
 from confkv.errors import ConfkvError
 from confkv.kv import attention
 from confkv.kv.host import HostTier
-from confkv.kv.manager import CacheManager
 from confkv.kv.pool import BlockPool
 from confkv.model_loader import LoadedModel, load_model, resolve_device
+from confkv.sessions.record import model_fingerprint
 from confkv.sessions.tiers import SessionOptions, SessionTiers
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,14 @@ class LLMEngine:
         self.policy_swaps_refused = 0
         self._lock = threading.Lock()
         self._pending_policy: tuple[CachePolicy, Controller, dict[str, str | None]] | None = None
-        self.sessions = SessionTiers(self, sessions or SessionOptions())
+        self.sessions = SessionTiers(
+            self.manager,
+            sessions or SessionOptions(),
+            identity=lambda: model_fingerprint(self.model, self.tokenizer),
+            policy=lambda: (self.policy.model_dump(mode="json"), self.policy_info.get("version")),
+            lookup=self._seqs.get,
+            new_seq_id=self.new_seq_id,
+        )
         self.scheduler.reclaim = self.sessions.reclaim
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -372,7 +380,7 @@ class LLMEngine:
         self.policy = policy
         self.controller = controller
         self.scheduler.set_watermarks(policy.memory_high_watermark, policy.low_watermark)
-        self.manager._mark_dropped(self.host.resize(int(policy.host_cache_memory)))
+        self.manager.mark_dropped(self.host.resize(int(policy.host_cache_memory)))
         for seq, c in plan:
             seq.ctrl = c.adopt(seq.ctrl)
             seq.kv.controller = c

@@ -36,8 +36,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from confkv.cache.manager import CacheManager
+from confkv.cache.state import Reservation
 from confkv.engine.sequence import Sequence, Status
-from confkv.kv.manager import CacheManager, Reservation
 
 
 @dataclass

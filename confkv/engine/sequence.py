@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from confkv.cache.state import SequenceKV
 from confkv.controllers import BudgetState, Controller, StepSignals
 from confkv.engine.params import SamplingParams
-from confkv.kv.manager import SequenceKV
 
 
 class Status(enum.Enum):

@@ -3,7 +3,7 @@
 A scorer is one small class with one ``score()`` (kvpress's presses are the model). It says what the attention
 function must record for it (``prefill_attention``, ``decode_attention``) and, from what was recorded, gives every
 evictable block one number: higher means keep. The cache manager evicts the lowest first (the oldest on ties).
-Adding a method is one file with one subclass, registered by name with ``@register``.
+Adding a method is one file with one subclass, registered by name with ``@register`` (``confkv.plugins.SCORERS``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
+
+from confkv.plugins import SCORERS
 
 if TYPE_CHECKING:
     from confkv.config import CachePolicy
@@ -72,12 +74,6 @@ class BlockScorer(ABC):
         """One score per block of ``view`` (``[n]``, any float dtype): higher means keep."""
 
 
-SCORERS: dict[str, type[BlockScorer]] = {}
-
-
 def register(cls: type[BlockScorer]) -> type[BlockScorer]:
     """Class decorator: make a scorer available by its ``name`` (the ``scorer:`` policy key)."""
-    if cls.name in SCORERS:
-        raise ValueError(f"scorer {cls.name!r} is registered twice")
-    SCORERS[cls.name] = cls
-    return cls
+    return SCORERS.register(cls)

@@ -23,14 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from confkv.config import CONTROLLER_NAMES, CachePolicy, make_engine_config, resolve_policy
+from confkv.config import CachePolicy, make_engine_config
 from confkv.errors import ConfkvError
+from confkv.policy_source import PolicyChoice, PolicyFollower, choose_policy
 from confkv.server.app import ServerState, create_app
 from confkv.server.engine_thread import EngineThread, idle_wake_s
 from confkv.server.metrics import ServerMetrics
-from confkv.server.policy_sources import PolicyFileWatcher, file_version, follow_registry, resolve_registry
 from confkv.server.settings import ServerSettings, settings_from_args
-from store.refs import is_registry_ref
 
 if TYPE_CHECKING:
     from confkv.engine.engine import LLMEngine
@@ -90,35 +89,26 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def build_policy(args: argparse.Namespace) -> tuple[CachePolicy, dict[str, Any], Any]:
-    """The start policy, its (name, version, source), and the resolved registry reference to follow (if any)."""
-    refs = [r for r in (args.policy, args.policy_file) if is_registry_ref(r)]
-    ref = refs[0] if refs else None
-    if ref is not None:
-        if args.policy and args.policy_file:
-            raise ConfkvError("give either --policy registry://... or --policy-file, not both")
-        args.policy, args.policy_file = ref, None
-        resolved = resolve_registry(ref, args.registry_url)
-        policy = resolved.policy
-        if args.overrides:
-            policy = resolve_policy(policy, None, args.overrides)
-        info = {"name": resolved.label, "version": str(resolved.version), "source": f"registry:{ref}"}
-        return policy, info, resolved
-    if args.policy is not None and args.policy not in CONTROLLER_NAMES:
-        raise ConfkvError(
-            f"unknown policy {args.policy!r}; choose one of {', '.join(CONTROLLER_NAMES)} or registry://NAME@ALIAS"
-        )
-    policy = resolve_policy(args.policy, args.policy_file, args.overrides or None, model=args.model,
-                            cache_dir=args.cache_dir)  # fmt: skip
-    if args.policy_file:
-        info = {
-            "name": policy.controller,
-            "version": file_version(args.policy_file),
-            "source": f"file:{args.policy_file}",
-        }
-    else:
-        info = {"name": policy.controller, "version": None, "source": "cli"}
-    return policy, info, None
+def build_policy(args: argparse.Namespace) -> PolicyChoice:
+    """The start policy, what to call it, and what to follow (``--policy-file``, or a registry reference)."""
+    return choose_policy(args.policy, args.policy_file, args.overrides or None, model=args.model,
+                         cache_dir=args.cache_dir, registry_url=args.registry_url, source="cli")  # fmt: skip
+
+
+def apply_and_wait(engine_thread: EngineThread, policy: CachePolicy, info: dict[str, str | None]) -> None:
+    """Swap through the engine thread's inbox and wait for the engine's verdict; a refusal is counted and logged."""
+    source = info["source"] or ""
+    try:
+        engine_thread.set_policy(policy, source=source, version=info["version"], name=info["name"]).result(timeout=120)
+    except ConfkvError as err:
+        engine_thread.refuse_policy(source, str(err))
+
+
+def follow_policy(choice: PolicyChoice, engine_thread: EngineThread, *, interval_s: float,
+                  registry_url: str | None) -> PolicyFollower:  # fmt: skip
+    """A started follower of the start policy's file or registry alias that swaps each new version in."""
+    return PolicyFollower(choice, lambda p, info: apply_and_wait(engine_thread, p, info), engine_thread.refuse_policy,
+                          interval_s=interval_s, registry_url=registry_url).start()  # fmt: skip
 
 
 def session_options(settings: ServerSettings, cache_dir: str | None) -> SessionOptions:
@@ -169,7 +159,8 @@ def serve(args: argparse.Namespace) -> int:
     from confkv.engine.engine import LLMEngine
 
     settings = settings_from_args(args)
-    policy, info, resolved = build_policy(args)
+    choice = build_policy(args)
+    info = choice.info
     config = make_engine_config(
         {
             "model": args.model,
@@ -186,7 +177,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("confkv").setLevel(args.log_level.upper())
     sessions = session_options(settings, args.cache_dir)
     t0 = time.perf_counter()
-    engine = LLMEngine(config, policy, policy_info=info, sessions=sessions)
+    engine = LLMEngine(config, choice.policy, policy_info=info, sessions=sessions)
     print(
         f"confkv: model {args.model} loaded in {time.perf_counter() - t0:.1f}s on {engine.device}; "
         f"policy {info['name']} (version {info['version']}, from {info['source']}); "
@@ -201,23 +192,9 @@ def serve(args: argparse.Namespace) -> int:
     @asynccontextmanager
     async def lifespan(_: Any):  # type: ignore[no-untyped-def]
         state.engine_thread.start()
-        if args.policy_file:
-            w = PolicyFileWatcher(
-                args.policy_file, state.engine_thread, interval_s=settings.policy_poll_s, overrides=args.overrides
-            )
-            w.start()
-            watchers.append(w)
-        if resolved is not None:
-            watchers.append(
-                follow_registry(
-                    args.policy,
-                    state.engine_thread,
-                    registry_url=args.registry_url,
-                    interval_s=settings.policy_poll_s,
-                    current_version=resolved.version,
-                    overrides=args.overrides,
-                )
-            )
+        if choice.followable:
+            watchers.append(follow_policy(choice, state.engine_thread, interval_s=settings.policy_poll_s,
+                                          registry_url=args.registry_url))  # fmt: skip
         try:
             yield
         finally:

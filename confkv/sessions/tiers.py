@@ -32,30 +32,22 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
-import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol
 
-import torch
-
-from confkv.controllers import BudgetState
+from confkv.cache.manager import CacheManager
+from confkv.cache.state import SequenceKV
+from confkv.controllers import BudgetState, Controller
 from confkv.errors import ConfkvError
-from confkv.kv.block_table import DROPPED, ON_HOST, BlockTable
-from confkv.kv.manager import KVStats, SequenceKV
 from confkv.sessions.errors import RecordMissing, SessionStoreError, StoreUnavailable
-from confkv.sessions.record import BlockKV, SessionRecord, dtype_name, model_fingerprint
+from confkv.sessions.record import BlockKV, SessionRecord, dtype_name
 from confkv.sessions.store import FAULT_KINDS, SessionStore, check_session_id
-
-if TYPE_CHECKING:
-    from confkv.engine.engine import LLMEngine
-    from confkv.engine.sequence import Sequence
+from confkv.sessions.worker import StoreWorker
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 TIERS = ("device", "host", "store")
 
@@ -73,6 +65,24 @@ class SessionOptions:
     store_backoff_s: float = 10.0  # after the store fails to answer, new sessions skip it this long
 
 
+class SessionRequest(Protocol):
+    """What the tiers read and set on a request of a session (the engine's ``Sequence`` is one)."""
+
+    seq_id: int
+    request_id: str
+    session_id: str | None
+    token_ids: list[int]
+    controller: Controller
+    kv: SequenceKV
+    ctrl: BudgetState
+    num_computed: int
+    cached_tokens: int
+    restoring: bool
+    restore_started: float
+    restore_s: float | None
+    finish_reason: str | None
+
+
 @dataclass
 class Parked:
     """A session between two of its requests."""
@@ -88,11 +98,32 @@ class Parked:
 
 
 class SessionTiers:
-    """The engine's sessions; every method runs on the engine thread except the background I/O worker."""
+    """The engine's sessions; every method runs on the engine thread except the background I/O worker.
 
-    def __init__(self, engine: LLMEngine, options: SessionOptions) -> None:
-        self.engine = engine
+    They move KV through the cache manager and read nothing else of the engine: ``identity`` says what a record
+    must have been written for (the model fingerprint, computed once, on first use), ``policy`` the policy and
+    version a record is written under, ``lookup`` finds a request's live sequence when its restore comes back, and
+    ``new_seq_id`` numbers a restored cache.
+    """
+
+    def __init__(
+        self,
+        manager: CacheManager,
+        options: SessionOptions,
+        *,
+        identity: Callable[[], str],
+        policy: Callable[[], tuple[dict[str, Any], str | None]],
+        lookup: Callable[[str], SessionRequest | None],
+        new_seq_id: Callable[[], int],
+    ) -> None:
+        self.manager = manager
+        self.pool = manager.pool
+        self.host = manager.host
         self.options = options
+        self._identity = identity
+        self._policy = policy
+        self._lookup = lookup
+        self._new_seq_id = new_seq_id
         self.store = (
             SessionStore(options.store_url, storage_options=options.storage_options, timeout_s=options.timeout_s)
             if options.store_url
@@ -116,26 +147,31 @@ class SessionTiers:
         self._job_no = 0
         self._store_down_until = 0.0
         self._fingerprint: str | None = None
-        self._jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._done: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._pending_writes = 0
-        self._last_sweep = time.monotonic()
-        self._worker: threading.Thread | None = None
-        if self.store is not None:
-            self._worker = threading.Thread(target=self._work, name="confkv-sessions", daemon=True)
-            self._worker.start()
+        # a deadline, not "seconds since the last sweep": a machine's monotonic clock starts near zero at boot
+        self._next_sweep = time.monotonic() + self.sweep_interval_s
+        self.worker = StoreWorker(self.store, lambda sid: sid in self.active) if self.store is not None else None
 
     # --------------------------------------------------------------------------------------------- identity
     @property
     def expect(self) -> dict[str, Any]:
         """What a record must have been written for to be restored here."""
         if self._fingerprint is None:
-            self._fingerprint = model_fingerprint(self.engine.model, self.engine.tokenizer)
+            self._fingerprint = self._identity()
         return {
             "model_fingerprint": self._fingerprint,
-            "block_size": self.engine.pool.block_size,
-            "dtype": dtype_name(self.engine.pool.dtype),
+            "block_size": self.pool.block_size,
+            "dtype": dtype_name(self.pool.dtype),
         }
+
+    @property
+    def sweep_interval_s(self) -> float:
+        """How often the store is swept for expired sessions (and unconfirmed deletes are retried)."""
+        return min(self.options.ttl_s / 10, 600.0)
+
+    def request_sweep(self) -> None:
+        """Sweep at the next ``housekeeping`` instead of waiting out the interval."""
+        self._next_sweep = -math.inf
 
     # ------------------------------------------------------------------------------------------- requests
     def check(self, session_id: str) -> None:
@@ -144,7 +180,7 @@ class SessionTiers:
         if session_id in self.active:
             raise ConfkvError(f"session {session_id!r} already has a request running; send one turn at a time")
 
-    def attach(self, seq: Sequence, session_id: str) -> None:
+    def attach(self, seq: SessionRequest, session_id: str) -> None:
         """Give a new request of ``session_id`` the session's KV, or queue its restore from object storage.
 
         While the store is backing off after it failed to answer, a session that is not in memory starts from its
@@ -164,11 +200,11 @@ class SessionTiers:
         else:
             seq.restoring = True
             seq.restore_started = time.perf_counter()
-            self._jobs.put(("get", session_id, seq.request_id, self.expect))
+            self._submit(("get", session_id, seq.request_id, self.expect))
 
     def _adopt(
         self,
-        seq: Sequence,
+        seq: SessionRequest,
         kv: SequenceKV,
         ctrl: BudgetState | None,
         num_computed: int,
@@ -176,52 +212,26 @@ class SessionTiers:
         resident: list[int],
         tier: str,
     ) -> None:
-        """Continue from a parked cache: keep the prefix the new prompt shares with the history, compute the rest.
-
-        The prompt's last token is always computed (its logits give the first new token), so a prompt that only
-        repeats the history reuses all but that token.
-        """
-        manager = self.engine.manager
+        """Continue from a parked cache (``CacheManager.adopt``): the request takes it over, and computes only
+        what its prompt does not share with the history."""
         prompt = seq.token_ids
-        extends = len(prompt) > num_computed and prompt[:num_computed] == history[:num_computed]
-        common = 0
-        limit = min(num_computed, len(prompt) - 1)
-        while common < limit and prompt[common] == history[common]:
-            common += 1
-        if not seq.controller.evicts and DROPPED in kv.table.entries:
-            # a block the host tier had to drop (a record larger than it): a full cache continues without holes,
-            # so everything from that block on is recomputed
-            common = min(common, kv.table.entries.index(DROPPED) * kv.table.block_size)
-        if not extends:
+        if not (len(prompt) > num_computed and prompt[:num_computed] == history[:num_computed]):
             self.mismatches += 1
-        # back to the device first (only the blocks that stay): a cut inside a block that is on the host would
-        # otherwise fall back to the block's start, so a session from the host or the store would recompute up to
-        # block_size - 1 tokens a session kept on the device reuses, and (under an evicting policy) continue
-        # differently from it
-        keep = kv.table.blocks_for(common)
-        manager.restore_to_device(kv, [i for i in resident if i < min(keep, len(kv.table))])
-        kept = manager.truncate(kv, common)
+        kept = self.manager.adopt(kv, prompt, history, num_computed, resident, seq.controller)
         if kept == 0:
-            manager.close(kv)
             self.misses += 1
             return
         self.hits[tier] += 1
-        manager.close(seq.kv)  # the empty cache the request was opened with
+        self.manager.close(seq.kv)  # the empty cache the request was opened with
         seq.seq_id = kv.seq_id
-        kv.controller = seq.controller
-        kv.stats = KVStats()
-        kv.prompt_trimmed = False  # come down to the budget once the new turn is read
-        kv.cap = math.inf
-        kv.budget = min(kv.budget, seq.controller.max_budget)
         seq.kv = kv
-        manager._seqs[kv.seq_id] = kv
         if ctrl is not None:
             seq.ctrl = seq.controller.adopt(ctrl)
         seq.num_computed = kept
         seq.cached_tokens = kept
         self.tokens_reused += kept
 
-    def park(self, seq: Sequence) -> bool:
+    def park(self, seq: SessionRequest) -> bool:
         """Keep a finished request's KV for its session's next turn; False when it cannot be kept (then close)."""
         sid = seq.session_id
         if sid is None or self.active.get(sid) != seq.request_id:
@@ -234,7 +244,7 @@ class SessionTiers:
                                   kv.table.resident_indices(), "device")  # fmt: skip
         return True
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SessionRequest) -> None:
         """A request that was not parked (aborted before it started, failed): its session is free again."""
         if seq.session_id is not None and self.active.get(seq.session_id) == seq.request_id:
             del self.active[seq.session_id]
@@ -245,12 +255,16 @@ class SessionTiers:
         self.active.pop(session_id, None)  # a request running now finishes without parking
         parked = self.parked.pop(session_id, None)
         if parked is not None and parked.kv is not None:
-            self.engine.manager.close(parked.kv)
+            self.manager.close(parked.kv)
         if self.store is not None:
             n = self._next_job()
             self._unconfirmed_deletes[session_id] = n
-            self._jobs.put(("delete", session_id, n))
+            self._submit(("delete", session_id, n))
         return parked is not None
+
+    def _submit(self, job: tuple[Any, ...]) -> None:
+        assert self.worker is not None
+        self.worker.submit(job)
 
     def _next_job(self) -> int:
         """Number store jobs in the order they are queued (the worker runs them in that order)."""
@@ -271,15 +285,15 @@ class SessionTiers:
     def _to_host(self, parked: Parked) -> int:
         kv = parked.kv
         assert kv is not None
-        host = self.engine.host
-        need = len(kv.table.resident_indices()) * self.engine.pool.bytes_per_block
+        host = self.host
+        need = len(kv.table.resident_indices()) * self.pool.bytes_per_block
         if self.store is not None:  # make room by sending older host-tier sessions to the store, not by dropping
             for other in list(self.parked.values()):
                 if host.used_bytes + need <= host.capacity_bytes:
                     break
                 if other is not parked and other.tier == "host":
                     self._to_store(other)
-        freed = self.engine.manager.offload_all(kv)
+        freed = self.manager.offload_all(kv)
         parked.tier = "host"
         return freed
 
@@ -287,20 +301,20 @@ class SessionTiers:
         """Hand the session's whole record to the background writer and free both memory tiers at once."""
         kv = parked.kv
         assert kv is not None and self.store is not None
-        engine = self.engine
         table = kv.table
         blocks: dict[int, BlockKV] = {}
         on_device = table.resident_indices()
         if on_device:
-            k, v, score = engine.pool.read_blocks([table.entries[i] for i in on_device])
+            k, v, score = self.pool.read_blocks([table.entries[i] for i in on_device])
             for j, i in enumerate(on_device):
                 blocks[i] = BlockKV(k[:, j].cpu(), v[:, j].cpu(), score[j].cpu())
         on_host = table.host_indices()
         if on_host:
-            k, v, score = engine.host.take(kv.seq_id, on_host)
+            k, v, score = self.host.take(kv.seq_id, on_host)
             for j, i in enumerate(on_host):
                 blocks[i] = BlockKV(k[:, j], v[:, j], score[j])
         ctrl = parked.ctrl or BudgetState(budget=kv.budget)
+        policy, version = self._policy()
         record = SessionRecord(
             session_id=parked.session_id,
             token_ids=parked.token_ids,
@@ -313,19 +327,19 @@ class SessionTiers:
                 "applied_budget": _finite(kv.budget),
                 "since_compact": kv.since_compact,
             },
-            policy=engine.policy.model_dump(mode="json"),
-            policy_version=engine.policy_info.get("version"),
+            policy=policy,
+            policy_version=version,
             meta={"resident": parked.resident, "table_blocks": len(table.entries)},
             **self.expect,
         )
-        engine.manager.close(kv)
+        self.manager.close(kv)
         parked.kv = None
         parked.tier = "store"
         self.offloads += 1
         self._pending_writes += 1
         n = self._next_job()
         self._last_put[parked.session_id] = n
-        self._jobs.put(("put", record, parked, n))
+        self._submit(("put", record, parked, n))
 
     def housekeeping(self) -> None:
         """Apply finished restores and writes, move idle sessions down a tier, expire old ones (between steps)."""
@@ -340,12 +354,12 @@ class SessionTiers:
                 self._to_host(parked)
             elif parked.tier == "host" and idle > opts.offload_s and self.store is not None:
                 self._to_store(parked)
-        if self.store is not None and now - self._last_sweep > min(opts.ttl_s / 10, 600.0):
-            self._last_sweep = now
+        if self.store is not None and now >= self._next_sweep:
+            self._next_sweep = now + self.sweep_interval_s
             for sid, n in self._unconfirmed_deletes.items():
                 if self._last_put.get(sid, 0) < n:  # a write queued since will replace the deleted record
-                    self._jobs.put(("delete", sid, n))
-            self._jobs.put(("sweep", time.time() - opts.ttl_s))
+                    self._submit(("delete", sid, n))
+            self._submit(("sweep", time.time() - opts.ttl_s))
 
     def flush(self, timeout_s: float = 60.0) -> int:
         """Write every session still in memory to object storage and wait for the writes (before an exit)."""
@@ -362,19 +376,12 @@ class SessionTiers:
         return count
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._jobs.put(("stop",))
-            self._worker.join(timeout=10)
-            self._worker = None
+        if self.worker is not None:
+            self.worker.stop()
 
     # --------------------------------------------------------------------------------------- restores
     def _drain(self, block_s: float = 0.0) -> None:
-        while True:
-            try:
-                item = self._done.get(timeout=block_s) if block_s else self._done.get_nowait()
-            except queue.Empty:
-                return
-            block_s = 0.0
+        for item in self.worker.answers(block_s) if self.worker is not None else []:
             kind = item[0]
             if kind == "got":
                 self._restored(*item[1:])
@@ -415,7 +422,7 @@ class SessionTiers:
         self._drain(block_s=timeout_s)
 
     def _restored(self, session_id: str, request_id: str, record: SessionRecord | None, err: Exception | None) -> None:
-        seq = self.engine.sequence(request_id)
+        seq = self._lookup(request_id)
         if seq is None:  # the request was aborted meanwhile
             return
         seq.restoring = False
@@ -435,80 +442,28 @@ class SessionTiers:
                            steps=int(record.controller.get("steps", 0)))  # fmt: skip
         self._adopt(seq, kv, ctrl, record.num_computed, record.token_ids, record.meta.get("resident", []), "store")
 
-    def _kv_from_record(self, seq: Sequence, record: SessionRecord) -> SequenceKV:
-        """The record's blocks as a cache of the engine's: all to the host tier; ``_adopt`` brings the formerly
-        resident ones to the device as memory allows."""
-        engine = self.engine
-        seq_id = engine.new_seq_id()
-        table = BlockTable(engine.pool.block_size)
-        n_blocks = int(record.meta.get("table_blocks", table.blocks_for(record.num_computed)))
-        table.entries = [DROPPED] * n_blocks
-        table.num_tokens = record.num_computed
+    def _kv_from_record(self, seq: SessionRequest, record: SessionRecord) -> SequenceKV:
+        """The record's blocks as a cache of the engine's, all on the host tier (``CacheManager.from_blocks``)."""
         applied = record.controller.get("applied_budget")
-        kv = SequenceKV(seq_id=seq_id, table=table, controller=seq.controller,
-                        budget=float(applied) if applied is not None else seq.kv.budget,
-                        since_compact=int(record.controller.get("since_compact", 0)))  # fmt: skip
-        # registered before its blocks go to the host tier: a record larger than that tier has some of its own
-        # blocks dropped by the put, and only a registered sequence's table is told which
-        engine.manager._seqs[seq_id] = kv
-        if record.blocks:
-            order = sorted(record.blocks, reverse=True)  # the host tier drops the first put first: keep the prefix
-            k = torch.stack([record.blocks[i].k for i in order], dim=1)
-            v = torch.stack([record.blocks[i].v for i in order], dim=1)
-            score = torch.stack([record.blocks[i].score for i in order])
-            for i in order:
-                table.entries[i] = ON_HOST
-            engine.manager._mark_dropped(engine.host.put(seq_id, order, k, v, score))
-        return kv
-
-    # ---------------------------------------------------------------------------------- background I/O
-    def _work(self) -> None:
-        """Object-storage calls, off the engine thread (encoding costs about 15 ms per MiB of KV)."""
-        assert self.store is not None
-        store = self.store
-        while True:
-            job = self._jobs.get()
-            kind = job[0]
-            if kind == "stop":
-                return
-            # every put, get and delete answers, whatever failed: a restore left unanswered would keep its request
-            # waiting for good, and an unanswered write would keep ``flush`` waiting out its timeout
-            if kind == "put":
-                _, record, parked, n = job
-                _, err = _call(store.put, record)
-                self._done.put(("put", record.session_id, err, parked, n))
-            elif kind == "get":
-                _, sid, rid, expect = job
-                got, err = _call(store.get, sid, expect=expect)
-                self._done.put(("got", sid, rid, got, err))
-            elif kind == "delete":
-                _, sid, n = job
-                _, err = _call(store.delete, sid)
-                self._done.put(("deleted", sid, err, n))
-            elif kind == "sweep":
-                try:
-                    self._sweep(store, job[1])
-                except Exception:  # a bug here must not take the worker down with every later session
-                    log.exception("session store sweep failed")
-
-    def _sweep(self, store: SessionStore, cutoff: float) -> None:
-        """Delete the store's sessions last used before ``cutoff``; an object that cannot be read (corrupt, or
-        another format's sharing the bucket) is left alone and does not stop the sweep."""
-        sids, err = _call(store.list_sessions)
-        for sid in sids if err is None else []:
-            tokens, err = _call(store.read_tokens, sid)
-            if err is None and tokens is not None and tokens.updated_at < cutoff and sid not in self.active:
-                _call(store.delete, sid)
+        return self.manager.from_blocks(
+            self._new_seq_id(),
+            record.num_computed,
+            int(record.meta.get("table_blocks", -(-record.num_computed // self.pool.block_size))),
+            {i: (b.k, b.v, b.score) for i, b in record.blocks.items()},
+            seq.controller,
+            float(applied) if applied is not None else seq.kv.budget,
+            int(record.controller.get("since_compact", 0)),
+        )
 
     # -------------------------------------------------------------------------------------------- metrics
     def stats(self) -> dict[str, Any]:
         by_tier = Counter(p.tier for p in self.parked.values())
         bytes_by_tier = {"device": 0, "host": 0}
-        per_block = self.engine.pool.bytes_per_block
+        per_block = self.pool.bytes_per_block
         for p in self.parked.values():
             if p.kv is not None:
                 bytes_by_tier["device"] += len(p.kv.table.resident_indices()) * per_block
-                bytes_by_tier["host"] += self.engine.host.bytes_of(p.kv.seq_id)
+                bytes_by_tier["host"] += self.host.bytes_of(p.kv.seq_id)
         store = self.store.stats() if self.store is not None else None
         return {
             "sessions": {tier: by_tier.get(tier, 0) for tier in TIERS},
@@ -526,18 +481,6 @@ class SessionTiers:
         out = list(self.restore_seconds)
         self.restore_seconds.clear()
         return out
-
-
-def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T | None, SessionStoreError | None]:
-    """Run a store call on the worker: its result, or the fault it raised (the store has logged and counted its
-    own). Anything else is a bug, logged here and answered as a fault, so the worker and its callers go on."""
-    try:
-        return fn(*args, **kwargs), None
-    except SessionStoreError as e:
-        return None, e
-    except Exception as e:
-        log.exception("session store call %s failed", getattr(fn, "__name__", fn))
-        return None, SessionStoreError(f"{type(e).__name__}: {e}")
 
 
 def _finite(x: float) -> float | None:

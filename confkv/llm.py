@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from confkv.config import CachePolicy, make_engine_config, resolve_policy
+from confkv.config import CachePolicy, make_engine_config
 from confkv.engine.engine import LLMEngine
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import RequestOutput
 from confkv.errors import ConfkvError
 from confkv.model_loader import LoadedModel
+from confkv.policy_source import PolicyFollower, choose_policy
 from confkv.sessions.tiers import SessionOptions
 
 if TYPE_CHECKING:
@@ -29,9 +30,9 @@ class LLM:
     it. ``kv_cache_memory`` sizes the device pool in bytes (``"1GiB"``); unset, a quarter of free memory.
 
     ``policy_file`` may be a registry reference (``"registry://NAME@production"``, see ``store.refs``): the
-    version the alias points at is loaded, and unless ``policy_watch_interval_s`` is None a ``PolicyWatcher``
-    follows the alias (polling at that interval; at once on PostgreSQL's NOTIFY) and hands each new version to
-    the engine, which swaps it in between two steps. ``close()`` stops the watcher.
+    version the alias points at is loaded, and unless ``policy_watch_interval_s`` is None a ``PolicyFollower``
+    (``confkv.policy_source``) follows the alias (polling at that interval; at once on PostgreSQL's NOTIFY) and
+    hands each new version to the engine, which swaps it in between two steps. ``close()`` stops it.
     """
 
     def __init__(
@@ -55,17 +56,10 @@ class LLM:
         sessions: SessionOptions | None = None,
         **policy_overrides: Any,
     ) -> None:
-        self.policy_watcher = None
-        resolved = None
-        registry_ref = isinstance(policy_file, str) and policy_file.startswith("registry://")
-        if registry_ref and not isinstance(policy, CachePolicy):
-            from store.watcher import registry_policy
-
-            resolved, cache_policy = registry_policy(policy_file, policy, policy_overrides, registry_url)
-        else:
-            cache_policy = resolve_policy(
-                policy, policy_file, policy_overrides or None, model=model, cache_dir=cache_dir
-            )  # the model's calibrated thresholds, when it has them, for the default policy
+        self.policy_watcher: PolicyFollower | None = None
+        # the model's calibrated thresholds, when it has them, for the default policy
+        choice = choose_policy(policy, policy_file, policy_overrides or None, model=model, cache_dir=cache_dir,
+                               registry_url=registry_url)  # fmt: skip
         config = make_engine_config(
             {
                 "model": model,
@@ -80,18 +74,18 @@ class LLM:
                 "pack_weights": pack_weights,
             }
         )
-        info = None
-        if resolved is not None:
-            info = {"name": resolved.name, "version": str(resolved.version), "source": resolved.ref}
-        self.engine = LLMEngine(config, cache_policy, loaded=loaded, policy_info=info, sessions=sessions)
+        self.engine = LLMEngine(config, choice.policy, loaded=loaded, policy_info=choice.info, sessions=sessions)
         self._batches = itertools.count()
-        if resolved is not None and resolved.alias is not None and policy_watch_interval_s is not None:
-            from store.watcher import watch_engine
-
-            self.policy_watcher = watch_engine(
-                self.engine, resolved, controller=policy, overrides=policy_overrides,
-                registry_url=registry_url, interval_s=policy_watch_interval_s,
-            )  # fmt: skip
+        if choice.resolved is not None and choice.followable and policy_watch_interval_s is not None:
+            engine = self.engine
+            self.policy_watcher = PolicyFollower(
+                choice,
+                lambda p, info: engine.request_policy(p, source=info["source"] or "", version=info["version"],
+                                                      name=info["name"]),
+                engine.record_refused_policy,
+                interval_s=policy_watch_interval_s,
+                registry_url=registry_url,
+            ).start()  # fmt: skip
 
     def close(self) -> None:
         """Stop following a registry alias and the session writer (sessions with a store: ``flush_sessions``

@@ -27,77 +27,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from confkv.cache.state import KVStats, Reservation, SequenceKV
 from confkv.controllers import Controller
 from confkv.kv.block_table import DROPPED, ON_HOST, BlockTable
 from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
 from confkv.scorers import BlockView
-
-
-@dataclass
-class KVStats:
-    """Per-sequence KV accounting, reported with every output."""
-
-    evicted_blocks: int = 0
-    recalled_blocks: int = 0
-    recall_hits: int = 0
-    dropped_blocks: int = 0
-    expansions: int = 0
-    peak_resident_tokens: int = 0
-    peak_device_blocks: int = 0
-    host_bytes: int = 0
-    host_peak_bytes: int = 0
-    resident_sum: int = 0  # over generated tokens: tokens resident when each was computed
-    resident_count: int = 0
-
-    def summary(self, full_tokens: int, bytes_per_block: int) -> dict[str, Any]:
-        """The ``kv`` fields every output reports (generation and scoring alike)."""
-        return {
-            "peak_resident_tokens": self.peak_resident_tokens,
-            "mean_resident_tokens": self.resident_sum / self.resident_count if self.resident_count else 0.0,
-            "full_tokens": full_tokens,
-            "peak_device_bytes": self.peak_device_blocks * bytes_per_block,
-            "evicted_blocks": self.evicted_blocks,
-            "recalled_blocks": self.recalled_blocks,
-            "recall_hits": self.recall_hits,
-            "dropped_blocks": self.dropped_blocks,
-            "expansions": self.expansions,
-            "host_peak_bytes": self.host_peak_bytes,
-        }
-
-    def record_compute(self, resident: int, device_blocks: int, generated: bool) -> None:
-        self.peak_resident_tokens = max(self.peak_resident_tokens, resident)
-        self.peak_device_blocks = max(self.peak_device_blocks, device_blocks)
-        if generated:
-            self.resident_sum += resident
-            self.resident_count += 1
-
-
-@dataclass
-class SequenceKV:
-    """A sequence's KV state: its block table, the controller that sizes it, its applied budget and statistics."""
-
-    seq_id: int
-    table: BlockTable
-    controller: Controller
-    budget: float
-    since_compact: int = 0
-    prompt_trimmed: bool = False  # whether the post-prompt size has been applied
-    cap: float = math.inf  # the circuit breaker's ceiling for a sequence reading its prompt
-    stats: KVStats = field(default_factory=KVStats)
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """What ``reserve`` changed, so that a failed forward pass can be undone."""
-
-    entries: int
-    num_tokens: int
 
 
 class CacheManager:
@@ -282,7 +220,7 @@ class CacheManager:
         for i in victims:
             table.entries[i] = ON_HOST
         self.pool.free(block_ids)
-        self._mark_dropped(dropped)
+        self.mark_dropped(dropped)
         if not evicted:
             return len(victims)
         kv.stats.evicted_blocks += len(victims)
@@ -332,7 +270,79 @@ class CacheManager:
         table.num_tokens = n
         return n
 
-    def _mark_dropped(self, dropped: list[tuple[int, int]]) -> None:
+    # ------------------------------------------------------------------------------------------------- sessions
+    def adopt(
+        self,
+        kv: SequenceKV,
+        prompt: list[int],
+        history: list[int],
+        num_computed: int,
+        resident: list[int],
+        controller: Controller,
+    ) -> int:
+        """Continue a new prompt from a session's cache: keep the prefix it shares with ``history`` (the tokens
+        the cache was computed for), bring the formerly ``resident`` blocks of it back to the device as memory
+        allows, forget the rest; returns the tokens kept (0: nothing was worth keeping and the cache is closed).
+
+        The prompt's last token is always left to compute (its logits give the first new token). Under a policy
+        that never evicts, a block the host tier had to drop is a hole a full cache cannot continue over, so the
+        prefix ends before it.
+        """
+        common = 0
+        limit = min(num_computed, len(prompt) - 1)
+        while common < limit and prompt[common] == history[common]:
+            common += 1
+        if not controller.evicts and DROPPED in kv.table.entries:
+            common = min(common, kv.table.entries.index(DROPPED) * kv.table.block_size)
+        # back to the device first (only the blocks that stay): a cut inside a block that is on the host would
+        # otherwise fall back to the block's start, so a session from the host or the store would recompute up to
+        # block_size - 1 tokens a session kept on the device reuses, and (under an evicting policy) continue
+        # differently from it
+        keep = kv.table.blocks_for(common)
+        self.restore_to_device(kv, [i for i in resident if i < min(keep, len(kv.table))])
+        kept = self.truncate(kv, common)
+        if kept == 0:
+            self.close(kv)
+            return 0
+        kv.controller = controller
+        kv.stats = KVStats()
+        kv.prompt_trimmed = False  # come down to the budget once the new turn is read
+        kv.cap = math.inf
+        kv.budget = min(kv.budget, controller.max_budget)
+        self._seqs[kv.seq_id] = kv
+        return kept
+
+    def from_blocks(
+        self,
+        seq_id: int,
+        num_tokens: int,
+        num_blocks: int,
+        blocks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        controller: Controller,
+        budget: float,
+        since_compact: int = 0,
+    ) -> SequenceKV:
+        """A cache rebuilt from stored blocks (logical index -> K, V, scores), all on the host tier; ``adopt``
+        brings the formerly resident ones to the device as memory allows. Blocks not given are dropped."""
+        table = BlockTable(self.block_size)
+        table.entries = [DROPPED] * num_blocks
+        table.num_tokens = num_tokens
+        kv = SequenceKV(seq_id=seq_id, table=table, controller=controller, budget=budget, since_compact=since_compact)
+        # registered before its blocks go to the host tier: a cache larger than that tier has some of its own
+        # blocks dropped by the put, and only a registered sequence's table is told which
+        self._seqs[seq_id] = kv
+        if blocks:
+            order = sorted(blocks, reverse=True)  # the host tier drops the first put first: keep the prefix
+            k = torch.stack([blocks[i][0] for i in order], dim=1)
+            v = torch.stack([blocks[i][1] for i in order], dim=1)
+            score = torch.stack([blocks[i][2] for i in order])
+            for i in order:
+                table.entries[i] = ON_HOST
+            self.mark_dropped(self.host.put(seq_id, order, k, v, score))
+        return kv
+
+    def mark_dropped(self, dropped: list[tuple[int, int]]) -> None:
+        """The host tier dropped these (sequence id, logical block) pairs to make room: their owners' tables say so."""
         for sid, idx in dropped:
             owner = self._seqs.get(sid)
             if owner is not None:

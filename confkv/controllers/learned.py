@@ -49,8 +49,10 @@ import numpy as np
 import torch
 
 from confkv.config import CachePolicy
-from confkv.controllers import BudgetState, Controller, DynamicController, StepSignals
+from confkv.controllers.base import BudgetState, Controller, StepSignals
+from confkv.controllers.rules import DynamicController
 from confkv.errors import ConfkvError
+from confkv.plugins import CONTROLLERS
 
 OBS_VERSION = 1
 OBS_DIM = 14
@@ -402,6 +404,7 @@ def apply_budget_action(budget: float, action: int, policy: CachePolicy) -> floa
     return budget
 
 
+@CONTROLLERS.register
 class LearnedController(DynamicController):
     """The dynamic rule with its knobs (or the budget itself) set by an exported policy every segment.
 
