@@ -2,7 +2,7 @@
 
 Everything the user can get wrong (a model that cannot be found, a bad policy value, an empty prompt) raises
 ``ConfkvError`` with a message that names the thing to fix; the CLI prints it without a traceback and exits non-zero,
-and the server (later) maps it to an HTTP 4xx.
+and the server maps it to an HTTP 4xx.
 """
 
 
