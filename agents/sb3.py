@@ -4,11 +4,10 @@ long a run trains.
 A PPO *update* is one rollout of ``n_steps`` segments in each of ``n_envs`` episodes followed by ``n_epochs``
 passes of minibatch gradient steps over it; a run of ``timesteps`` makes ``ceil(timesteps / (n_steps * n_envs))``
 updates (SB3 finishes the last rollout, so it may step a little past ``timesteps``). The quick preset makes 32
-updates of 64 segments (4 episodes x 16), each 10 epochs of 2 minibatches of 32: 640 gradient steps, where the
-earlier default (n_steps 128 x 4 envs for 2,048 steps) made 4 updates. ``log_std_init=-1`` starts the Gaussian
-policy at a standard deviation of 0.37 around its mean; with the knob map centred on the base policy
-(``confkv.controllers.learned.KnobSpace``) and the mean's output layer starting at zero, an untrained agent is
-exactly the base policy plus moderate exploration, not a uniform draw over the whole box.
+updates of 64 segments (4 episodes x 16), each 10 epochs of 2 minibatches of 32: 640 gradient steps.
+``log_std_init=-1`` starts the Gaussian policy at a standard deviation of 0.37 around its mean; with the knob map
+centred on the base policy (``confkv.controllers.learned.KnobSpace``) and the mean's output layer starting at zero, an
+untrained agent is exactly the base policy plus moderate exploration, not a uniform draw over the whole box.
 
 Learning curves: SB3's own logger (``rollout/ep_rew_mean``, ``train/approx_kl``, ``train/loss`` ... per update,
 at the timestep reached) goes to ``log_metrics``; every finished episode to ``on_episode``; and every
@@ -69,9 +68,8 @@ PRESETS: dict[str, Preset] = {
     # four times the quick run's experience in larger rollouts: 32 updates of 256 segments
     "standard": Preset("standard", timesteps=8192, n_envs=8, n_steps=32, batch_size=64, n_epochs=10),
     # the quick schedule for refining a tuned policy (``--init-policy``): a narrow start (0.08 in action units),
-    # a third of the step size and rewards relative to the tuned policy's. At the quick preset's settings the
-    # deterministic policy of warm-started runs drifted below its start (clip fraction 0.2-0.45 per update); with
-    # these, three of five seeds ended ahead of the tuned policy on held-out items and two behind (TUNING.md)
+    # a third of the step size and rewards relative to the tuned policy's, so that training moves a policy that is
+    # already tuned in small steps (the runs that chose these settings: docs/history/2026-12-05-tuning.md)
     "refine": Preset(
         "refine",
         timesteps=2048,
@@ -265,9 +263,7 @@ def train_sb3(
 def _start_at_the_centre(model: BaseAlgorithm) -> None:
     """Zero the layer that outputs the action's mean, so the untrained deterministic policy is exactly the action 0
     (the base policy, or ``--init-policy``) and exploration is spread around it. Left random, its small weights put
-    the start near it, not at it: warm-started from one Optuna policy, four seeds' untrained policies earned 0.591,
-    0.083, 0.060 and 0.565 on their training items, where that policy itself earns 0.590, 0.085, 0.053 and 0.559
-    (the items differ by seed; TUNING.md)."""
+    the start near it, not at it."""
     head = model.policy.action_net if isinstance(model, PPO) else model.actor.mu
     with torch.no_grad():
         head.weight.zero_()

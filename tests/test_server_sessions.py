@@ -55,7 +55,7 @@ TURNS = [
 SERVER = ("--model", MODEL, "--policy", "full", "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", str(BATCH),
           "--session-store-timeout-s", "1", "--shutdown-grace", "5")  # fmt: skip
 FAST_TIERS = ("--session-idle-s", "0.1", "--session-offload-s", "0.2")
-#: every session sample the server exports (the README and deploy/ name them)
+#: every session sample the server exports (docs/server.md, docs/sessions.md and deploy/ name them)
 SESSION_SAMPLES = {
     "confkv:session_hits_total", "confkv:session_misses_total", "confkv:session_mismatches_total",
     "confkv:session_tokens_reused_total", "confkv:session_offloads_total", "confkv:session_store_faults_total",

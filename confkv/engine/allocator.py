@@ -3,9 +3,7 @@
 Each decode step allocates and frees the same few large buffers per layer (the gathered keys and values, the
 attention scores). glibc's default malloc returns freed memory at the top of the heap once more than its trim
 threshold is free (and serves large requests with fresh ``mmap`` pages), so a step can fault the same memory in
-again: measured on smollm2-135m, 16 sequences of ~530 tokens under ``dynamic``, 120,000-135,000 minor page faults
-and 540-630 ms per step, against 180-360 faults and 300-410 ms with the thresholds below (a development loop
-of 10 steps, before and after; `benchmarks/decode_step.py` reports the faults per step of any configuration).
+again, every step. ``benchmarks/decode_step.py`` reports the page faults per step of any configuration.
 PyTorch's CPU tuning guide makes the same point and suggests preloading jemalloc or tcmalloc; fixing glibc's two
 thresholds gets the same effect with no extra library. It is process-wide, done once, and only on glibc.
 """

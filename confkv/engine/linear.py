@@ -1,10 +1,10 @@
 """The model's linear layers on oneDNN with weights packed once, on CPUs.
 
-A decode step multiplies a few rows by every weight of the model. Measured on the project's 2-core EPYC, a 135M
-model's 211 matrix products (30 layers' worth of weights, LM head included) took 51-107 ms at 1-16 rows through
-``F.linear`` (MKL's GEMM, with kernel choices erratic in the row count: 2 rows were slower than 4) and 26-54 ms with
-the weights reordered once into oneDNN's blocked layout; 687 ms against 824 ms at 512 rows (prefill). This is what
-``torch.compile``'s CPU freezing does for linear layers; doing it here keeps eager mode: no compile time, no shape
+A decode step multiplies a few rows by every weight of the model, so on a CPU it is bound by the linear layers;
+their weights are reordered once into oneDNN's blocked layout, which runs these small products faster than
+``F.linear`` (MKL's GEMM, whose kernel choice is erratic in the row count). ``benchmarks/decode_step.py --no-pack``
+measures the difference (BENCHMARKS.md, "The decode step"). This is what ``torch.compile``'s CPU freezing does for
+linear layers; doing it here keeps eager mode: no compile time, no shape
 specialisation. Results differ from ``F.linear`` by floating-point reassociation only.
 """
 

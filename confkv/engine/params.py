@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, validated the same way for the Python API, the CLI and (later) HTTP."""
+"""Per-request sampling parameters, validated the same way for the Python API, the CLI and the HTTP server."""
 
 from __future__ import annotations
 

@@ -86,10 +86,8 @@ class PackedBatch:
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 #: The SDPA kernels a forward pass may use on CUDA: cuDNN's is left out. cuDNN builds an execution graph for every new
-#: shape, and a decode batch's key count changes as sequences grow. Measured on an H200 (torch 2.11, bf16,
-#: ``benchmarks/decode_step.py --device cuda --context 128 --batch 32 --profile``): a ``full`` step took 42 ms, 61%
-#: of its host time in ``_cudnn_attention_forward``. ``--allow-cudnn`` puts it back to compare; the step without it
-#: is not measured yet (no GPU was left after the profile).
+#: shape, and a decode batch's key count changes as sequences grow. ``benchmarks/decode_step.py --allow-cudnn`` puts
+#: it back, to compare both in one run; neither choice is measured yet (BENCHMARKS.md, "On a GPU").
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

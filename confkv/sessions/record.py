@@ -24,16 +24,10 @@ decompressing its payload; the payload's sha256 is checked before zstd touches i
 sees authentic bytes. The tokens-only object (same framing, no ``k``/``v``/``score``) is what the store writes
 first: it is small, and it is all that recomputation needs if the full record never lands.
 
-Codec: zstd (``zstandard``) at level 3. Measured on real KV from a forward pass with
-``.venv/bin/python benchmarks/session_codec.py --model tiny-random --tokens 1024`` (the built-in 2-layer
-random-weight Llama, 1,024 tokens of README text, blocks of 16; the ratio is safetensors bytes over zstd payload
-bytes): 1.42 in float32 (the whole record is 0.73x the raw K+V bytes), 1.66 in bfloat16, 1.43 in float16; levels 1
-and 9 are within 2% of level 3. Encoding costs about 15 ms per MiB of KV on this shared 2-core CPU (stacking,
-safetensors, zstd, sha256), decoding less. KV mantissas are close to random; what compresses is the sign and
-exponent bits (a larger share of each bfloat16 value, hence its higher ratio) and the token ids. A
-byte-shuffle filter before zstd gained only about 5% in a one-off trial: not worth a second format. Trained
-weights compress less: ``--model smollm2-135m --tokens 1024`` (45 MiB of float32 KV) gives 1.084 in float32 (the
-record 0.92x the raw K+V bytes; 400 ms to encode, 132 ms to decode), 1.277 in bfloat16, 1.085 in float16.
+Codec: zstd (``zstandard``) at level 3; levels 1 and 9 compress about as well. Float KV compresses little: its
+mantissas are close to random, and what compresses is the sign and exponent bits (a larger share of each bfloat16
+value, hence its higher ratio) and the token ids. ``benchmarks/session_codec.py`` measures the ratio and the encode
+and decode times on a model's real KV (BENCHMARKS.md, "Sessions").
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ s3fs retries twice, so a refused connection fails in well under a second and a h
 answers) after about ``timeout_s``. Every call also runs under an overall deadline (``asyncio.wait_for`` through
 fsspec's ``sync(..., timeout=)``) of ``timeout_s`` plus the bytes it moves over ``min_bytes_per_s``: a live transfer of
 a 100 MB record is not cut off at 5 s, and an endpoint that trickles bytes to dodge the idle timeout is still cut off.
-The backend's client is built once, before the first call and outside its deadline: building it is local work (0.4 s of
-CPU for botocore's service model) that a loaded machine can stretch past a short ``timeout_s``, and it is not the
+The backend's client is built once, before the first call and outside its deadline: building it is local work (CPU time
+for botocore's service model) that a loaded machine can stretch past a short ``timeout_s``, and it is not the
 store being silent. A read first asks for the object's size (one HEAD request) to set that deadline. A local folder has
 no deadline (a local disk does not hang; a hard-mounted NFS folder could, and is not supported as the local store).
 Bytes that are not a sound record raise ``CorruptRecord``; a sound record for another model, block size, dtype, format
