@@ -81,7 +81,7 @@ class CachePolicy(BaseModel):
     )
     scorer: str | None = Field(
         None,
-        description="how evictable blocks are ranked (h2o, snapkv, tova, knorm, recency, decayed); default: the "
+        description="how evictable blocks are ranked: a scorer registered in confkv.scorers; default: the "
         "controller's own (dynamic: snapkv)",
     )
     recompute_tokens: int = Field(1, ge=1, description="trailing tokens recomputed after a recall (dynamic)")

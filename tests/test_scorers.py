@@ -38,7 +38,7 @@ def _order(scorer: str, view: BlockView) -> list[int]:
 
 
 def test_every_method_is_registered():
-    assert set(SCORERS) == {"recency", "h2o", "snapkv", "knorm", "tova", "decayed"}
+    assert set(SCORERS) == {"recency", "h2o", "snapkv", "knorm", "keydiff", "tova", "decayed"}
     with pytest.raises(ValueError, match="unknown scorer"):
         make_scorer("magic", CachePolicy())
 
@@ -65,6 +65,17 @@ def test_knorm_keeps_small_keys():
     norms = [4.0, 1.0, 8.0, 2.0]
     keys = torch.stack([torch.full((L, BS, KVH, D), n / 2) for n in norms], dim=1)  # |k| = n
     assert _order("knorm", _view([[0] * BS] * 4, keys)) == [12, 10, 13, 11]
+
+
+def test_keydiff_keeps_the_keys_that_differ_from_the_rest():
+    """Keys that point the way most keys point go first, the odd one out stays longest, one turned part of the way
+    in between; length does not count (a key five times as long in the common direction ties with its like, and the
+    older of the two goes first)."""
+    e1, e2, e3 = torch.eye(D)[:3]
+    directions = [5 * e1, e2, e1, e1 + 0.5 * e3]  # logical blocks 10, 11, 12, 13
+    keys = torch.stack([d.expand(L, BS, KVH, D) for d in directions], dim=1)
+    assert _order("keydiff", _view([[0] * BS] * 4, keys)) == [10, 12, 13, 11]
+    assert make_controller(CachePolicy(controller="fixed", scorer="keydiff", max_size=256)).scorer.name == "keydiff"
 
 
 def test_presets_are_a_budget_rule_plus_a_scorer():

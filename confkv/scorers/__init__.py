@@ -6,7 +6,7 @@ built-in scorer in ``confkv.plugins.SCORERS``.
 """
 
 from confkv.plugins import SCORERS
-from confkv.scorers import decayed, h2o, knorm, recency, snapkv, tova  # noqa: F401  (each registers its scorer)
+from confkv.scorers import decayed, h2o, keydiff, knorm, recency, snapkv, tova  # noqa: F401  (each registers its scorer)
 from confkv.scorers.base import BlockScorer, BlockView, register
 
 __all__ = ["SCORERS", "BlockScorer", "BlockView", "make_scorer", "register"]
