@@ -23,3 +23,8 @@ class ModelNotFoundError(ConfkvError):
 
 class UnsupportedModelError(ConfkvError):
     """The model does something in attention that confkv does not implement; refused at load, never run wrong."""
+
+
+class SessionBusy(ConfkvError):
+    """A turn for a session that already has a request running: a second turn cannot extend a conversation whose
+    previous answer is not written yet, so the client sends one turn at a time (the server answers 409)."""

@@ -38,7 +38,9 @@ class SamplingParams(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as err:
-            raise ConfkvError(format_validation_error(err, "sampling parameter")) from None
+            loc = err.errors()[0]["loc"] if err.errors() else ()
+            raise ConfkvError(format_validation_error(err, "sampling parameter"),
+                              param=str(loc[0]) if loc else None) from None  # fmt: skip
 
     @field_validator("stop")
     @classmethod

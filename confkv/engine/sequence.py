@@ -233,3 +233,25 @@ class RequestOutput:
             session_id=seq.session_id,
             cached_tokens=seq.cached_tokens,
         )
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request: its new token (if any) and, once finished, the full output.
+
+    ``entropy``, ``gap``, ``top1_prob`` and ``resident`` describe the step that chose the token (for metrics);
+    ``logprob`` is the token's log-probability and ``top_logprobs`` the most likely alternatives when the request
+    asked for them. ``error`` is set when the request failed (alone: the others continue).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    output: RequestOutput | None = None
+    error: str | None = None
+    entropy: float | None = None
+    gap: float | None = None
+    top1_prob: float | None = None
+    resident: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None

@@ -92,7 +92,8 @@ def check_session_id(session_id: str) -> str:
     """``session_id`` if it can name an object, else ``ConfkvError`` (a user error: the server answers 400)."""
     if not isinstance(session_id, str) or not SESSION_ID_RE.fullmatch(session_id):
         raise ConfkvError(
-            f"session_id {session_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            f"session_id {session_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
+            param="session_id",
         )
     return session_id
 

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from confkv.cache.manager import CacheManager
 from confkv.cache.state import SequenceKV
 from confkv.controllers import BudgetState, Controller
-from confkv.errors import ConfkvError
+from confkv.errors import SessionBusy
 from confkv.sessions.errors import RecordMissing, SessionStoreError, StoreUnavailable
 from confkv.sessions.record import BlockKV, SessionRecord, dtype_name
 from confkv.sessions.store import FAULT_KINDS, SessionStore, check_session_id
@@ -178,7 +178,8 @@ class SessionTiers:
         """Refuse a malformed id, or a session that already has a request running (before any state is made)."""
         check_session_id(session_id)
         if session_id in self.active:
-            raise ConfkvError(f"session {session_id!r} already has a request running; send one turn at a time")
+            raise SessionBusy(f"session {session_id!r} already has a request running; send one turn at a time",
+                              param="session_id")  # fmt: skip
 
     def attach(self, seq: SessionRequest, session_id: str) -> None:
         """Give a new request of ``session_id`` the session's KV, or queue its restore from object storage.

@@ -1,0 +1,44 @@
+"""The engine's gauges and counters in one dictionary: what ``/metrics``, ``confkv generate --json`` and the
+benchmarks read. Counters are monotonic since the engine started."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from confkv.engine.engine import LLMEngine
+
+
+def engine_stats(engine: LLMEngine) -> dict[str, Any]:
+    s, m, pool, host = engine.scheduler, engine.manager, engine.pool, engine.host
+    return {
+        "pool_blocks": pool.num_blocks,
+        "pool_used_blocks": pool.num_used,
+        "pool_usage": pool.usage,
+        "pool_used_bytes": pool.used_bytes,
+        "pool_total_bytes": pool.total_bytes,
+        "committed_blocks": s.committed_total(),
+        "host_used_bytes": host.used_bytes,
+        "host_peak_bytes": host.peak_bytes,
+        "running": len(s.running),
+        "waiting": len(s.waiting),
+        "evicted_blocks": m.evicted_blocks,
+        "recalled_blocks": m.recalled_blocks,
+        "recall_hits": m.recall_hits,
+        "recall_queries": m.recall_queries,
+        "reselections": m.reselections,
+        "expansions": m.expansions,
+        "refused_expansions": s.refused_expansions,
+        "contractions": m.contractions,
+        "breaker_trips": s.breaker_trips,
+        "breaker_tripped": s.tripped,
+        "preemptions": s.preemptions,
+        "recomputed_tokens": s.recomputed_tokens + engine.recall.rerun_tokens,
+        "steps": engine.num_steps,
+        "reruns": engine.recall.num_reruns,
+        "policy_swaps": engine.policy_swaps,
+        "policy_swaps_refused": engine.policy_swaps_refused,
+        "request_errors": sum(engine.request_errors.values()),
+        "request_errors_by_kind": dict(engine.request_errors),
+        **engine.sessions.stats(),
+    }
