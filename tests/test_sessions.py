@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -314,3 +315,72 @@ def test_the_expiry_sweep_goes_past_an_object_it_cannot_read(tmp_path):
         assert time.monotonic() < deadline, "the sweep stopped at the unreadable object"
         time.sleep(0.05)
     llm.close()
+
+
+def test_offloads_count_what_landed_attempts_and_failures_apart(tmp_path, monkeypatch):
+    """Issue 33 (8): ``session_offloads`` rose while the store was down (it counted attempts). It counts records
+    the store confirmed; attempts and failures are counted apart."""
+    from confkv.sessions.errors import StoreUnavailable
+
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=SessionOptions(store_url=str(tmp_path / "o")))
+    tiers = llm.engine.sessions
+    real_put = tiers.store.put
+
+    def down(record):
+        raise StoreUnavailable("store down (test)")
+
+    for sid in ("a", "b"):
+        llm.chat([[{"role": "user", "content": TURNS[0]}]], PARAMS, session_id=sid)
+    monkeypatch.setattr(tiers.store, "put", down)
+    tiers._to_store(tiers.parked["a"])
+    _answered(tiers, lambda: tiers._pending_writes == 0)
+    stats = llm.engine.stats()
+    assert (stats["session_offloads"], stats["session_offload_attempts"], stats["session_offload_failures"]) == (
+        0, 1, 1)  # fmt: skip
+    monkeypatch.setattr(tiers.store, "put", real_put)
+    tiers._to_store(tiers.parked["b"])
+    _answered(tiers, lambda: tiers._pending_writes == 0)
+    stats = llm.engine.stats()
+    assert (stats["session_offloads"], stats["session_offload_attempts"], stats["session_offload_failures"]) == (
+        1, 2, 1)  # fmt: skip
+    llm.close()
+
+
+_NEAR_BOOT = """
+import time
+from confkv import LLM, SamplingParams
+from confkv.sessions.tiers import SessionOptions
+from tests.conftest import fresh_tiny
+assert time.monotonic() < 120, time.monotonic()
+llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=SessionOptions(store_url={url!r}, ttl_s=3600.0))
+tiers = llm.engine.sessions
+jobs = []
+tiers.worker.submit = jobs.append
+tiers.housekeeping()
+assert not [j for j in jobs if j[0] == "sweep"], "swept before its interval"
+tiers.request_sweep()
+tiers.housekeeping()
+assert [j for j in jobs if j[0] == "sweep"], "a requested sweep did not run on a machine just booted"
+"""
+
+
+def test_timers_do_not_depend_on_the_machines_uptime(tmp_path):
+    """Issue 33 (11): a sweep forced by setting its last time to zero never ran on a machine up for less than ten
+    minutes (monotonic time counts from boot). Run in a fresh time namespace whose monotonic clock reads a few
+    seconds: no sweep before its interval, a requested one at once."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    uptime = int(float(Path("/proc/uptime").read_text().split()[0]))
+    code = _NEAR_BOOT.format(url=str(tmp_path / "boot"))
+    cmd = ["unshare", "--time", f"--monotonic=-{max(0, uptime - 5)}", "--", sys.executable, "-c", code]
+    probe = subprocess.run(["unshare", "--time", "--", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no time namespace here ({probe.stderr.decode().strip() or probe.returncode})")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -590,3 +590,45 @@ def test_an_s3_record_is_one_put(moto: Moto, monkeypatch: pytest.MonkeyPatch) ->
     store.put(make_record("one-put"))
     assert seen and set(seen) == {S3_SINGLE_PUT_BYTES} and 2 * S3_SINGLE_PUT_BYTES > 5 * 2**30
     assert store.exists("one-put")
+
+
+def test_a_damaged_tokens_object_is_found_counted_and_rewritten(tmp_path: Path) -> None:
+    """Issue 33 (9): corrupting a session's ``.tokens`` object (its record intact) went unnoticed: nothing read it
+    at a restore, and expiry, which reads only it, skipped the session for good. A restore now checks it against the
+    record, counts a corrupt object and writes it again; expiry reads past a damaged one."""
+    store = SessionStore(str(tmp_path / "s"))
+    record = make_record("tok")
+    store.put(record)
+    path = tmp_path / "s" / "tok.tokens"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptRecord):
+        store.read_tokens("tok")
+    assert store.get("tok", expect=EXPECT).token_ids == record.token_ids  # the record itself is sound
+    assert store.stats()["tokens_repaired"] == 1 and store.stats()["faults"]["corrupt"] == 2
+    assert store.read_tokens("tok").token_ids == record.token_ids  # written again from the record
+    store.get("tok", expect=EXPECT)
+    assert store.stats()["tokens_repaired"] == 1  # a sound one is left alone
+
+
+def test_expiry_reads_past_a_damaged_tokens_object(tmp_path: Path) -> None:
+    from confkv.sessions.worker import StoreWorker
+
+    store = SessionStore(str(tmp_path / "s"))
+    store.put(make_record("old"))
+    (tmp_path / "s" / "old.tokens").write_bytes(b"not a tokens object")
+    store.put(make_record("both", seed=1))
+    (tmp_path / "s" / "both.tokens").write_bytes(b"garbage")
+    for p in (tmp_path / "s").iterdir():
+        if p.name.startswith("both.") and not p.name.endswith(".tokens"):
+            p.write_bytes(b"garbage too")
+    worker = StoreWorker(store, lambda sid: False)
+    try:
+        worker.submit(("sweep", time.time() + 60))  # every session is older than that
+        deadline = time.monotonic() + 20
+        while store.list_sessions():
+            assert time.monotonic() < deadline, f"the sweep left {store.list_sessions()}"
+            time.sleep(0.05)
+    finally:
+        worker.stop()

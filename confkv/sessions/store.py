@@ -61,7 +61,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.implementations.local import LocalFileSystem
 
 from confkv.errors import ConfkvError
-from confkv.sessions.errors import ForeignRecord, RecordMissing, SessionStoreError, StoreUnavailable
+from confkv.sessions.errors import CorruptRecord, ForeignRecord, RecordMissing, SessionStoreError, StoreUnavailable
 from confkv.sessions.record import DEFAULT_LEVEL, SessionRecord, SessionTokens, decode, decode_tokens, encode
 from confkv.sessions.record import encode_tokens as encode_tokens_object
 
@@ -75,7 +75,9 @@ RECORD_SUFFIX = ".record"
 FAULT_KINDS: tuple[str, ...] = ("unavailable", "corrupt", "foreign", "error")
 #: s3fs sends one PUT below twice its chunk size, up to S3's 5 GiB limit for one: every record is one PUT.
 S3_SINGLE_PUT_BYTES = 5 * 2**30
-_COUNTERS: tuple[str, ...] = ("puts", "gets", "token_gets", "misses", "deletes", "bytes_written", "bytes_read")
+_COUNTERS: tuple[str, ...] = (
+    "puts", "gets", "token_gets", "misses", "deletes", "bytes_written", "bytes_read", "tokens_repaired",
+)  # fmt: skip
 _Obj = TypeVar("_Obj", SessionRecord, SessionTokens)
 
 
@@ -170,7 +172,28 @@ class SessionStore:
         with self._counting_faults(sid):
             record = self._load(sid, RECORD_SUFFIX, decode, expect)
         self._bump(gets=1)
+        self._check_tokens(sid, record)
         return record
+
+    def _check_tokens(self, sid: str, record: SessionRecord) -> None:
+        """The tokens object beside a sound record must say what the record says: it is what expiry reads and what
+        recomputation falls back on. A damaged, missing or disagreeing one is counted as a corrupt fault and
+        written again from the record (a few KiB); a store that does not answer now is left for the next read."""
+        try:
+            tokens = self._load(sid, TOKENS_SUFFIX, decode_tokens, None)
+            damaged = tokens.token_ids != record.token_ids or tokens.updated_at != record.updated_at
+        except StoreUnavailable:
+            return
+        except SessionStoreError:
+            damaged = True
+        if not damaged:
+            return
+        self._fault(CorruptRecord("the tokens object does not match its record; written again from it"), sid)
+        self._bump(tokens_repaired=1)
+        try:
+            self._write(self._key(sid, TOKENS_SUFFIX), encode_tokens_object(record, level=self.level))
+        except SessionStoreError as err:
+            log.warning("session store %s: could not rewrite the tokens of %s: %s", self.url, sid, err)
 
     def read_tokens(self, session_id: str, *, expect: Mapping[str, Any] | None = None) -> SessionTokens | None:
         """The tokens-only object (ids, fingerprint, ``updated_at`` for expiry), or None when there is none.

@@ -135,7 +135,9 @@ class SessionTiers:
         self.misses = 0
         self.mismatches = 0
         self.tokens_reused = 0
-        self.offloads = 0
+        self.offloads = 0  # records the store confirmed written
+        self.offload_attempts = 0
+        self.offload_failures = 0
         self.faults: Counter[str] = Counter()
         #: Restore latencies since the last ``drain_restore_seconds`` (for a histogram; bounded for offline use).
         self.restore_seconds: deque[float] = deque(maxlen=4096)
@@ -145,7 +147,7 @@ class SessionTiers:
         self._unconfirmed_deletes: dict[str, int] = {}
         self._last_put: dict[str, int] = {}  # session id -> job number of its latest queued write
         self._job_no = 0
-        self._store_down_until = 0.0
+        self._store_down_until = -math.inf
         self._fingerprint: str | None = None
         self._pending_writes = 0
         # a deadline, not "seconds since the last sweep": a machine's monotonic clock starts near zero at boot
@@ -336,7 +338,7 @@ class SessionTiers:
         self.manager.close(kv)
         parked.kv = None
         parked.tier = "store"
-        self.offloads += 1
+        self.offload_attempts += 1
         self._pending_writes += 1
         n = self._next_job()
         self._last_put[parked.session_id] = n
@@ -394,8 +396,10 @@ class SessionTiers:
                 if err is not None:  # the record did not land: only what the request carries is left
                     if self.parked.get(sid) is parked:  # not a newer turn's session parked since
                         del self.parked[sid]
+                    self.offload_failures += 1
                     self._fault(err)
                 else:
+                    self.offloads += 1
                     if self._unconfirmed_deletes.get(sid, n) < n:  # written after the delete: it replaced it
                         del self._unconfirmed_deletes[sid]
                     self._store_answered()
@@ -416,7 +420,7 @@ class SessionTiers:
     def _store_answered(self) -> None:
         """A store that took a write or a delete is back: sessions read from it again, without waiting out the
         backoff a fault set."""
-        self._store_down_until = 0.0
+        self._store_down_until = -math.inf
 
     def wait_for_restores(self, timeout_s: float) -> None:
         """Block briefly for a restore when nothing else can run (no busy loop while a record is read)."""
@@ -466,6 +470,7 @@ class SessionTiers:
                 bytes_by_tier["device"] += len(p.kv.table.resident_indices()) * per_block
                 bytes_by_tier["host"] += self.host.bytes_of(p.kv.seq_id)
         store = self.store.stats() if self.store is not None else None
+        repaired = store["tokens_repaired"] if store else 0
         return {
             "sessions": {tier: by_tier.get(tier, 0) for tier in TIERS},
             "session_hits": {tier: self.hits.get(tier, 0) for tier in TIERS},
@@ -473,7 +478,11 @@ class SessionTiers:
             "session_mismatches": self.mismatches,
             "session_tokens_reused": self.tokens_reused,
             "session_offloads": self.offloads,
-            "session_faults": {k: self.faults.get(k, 0) for k in FAULT_KINDS},
+            "session_offload_attempts": self.offload_attempts,
+            "session_offload_failures": self.offload_failures,
+            # a damaged tokens object found beside a sound record (and written again) is a corrupt object too
+            "session_faults": {k: self.faults.get(k, 0) + (repaired if k == "corrupt" else 0) for k in FAULT_KINDS},
+            "session_tokens_repaired": repaired,
             "session_bytes": {**bytes_by_tier, "store_written": store["bytes_written"] if store else 0},
             "session_store_reachable": store["reachable"] if store else None,
         }

@@ -9,12 +9,13 @@ record costs about as much as writing it, so it happens here too, never on the e
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from confkv.sessions.errors import SessionStoreError
+from confkv.sessions.errors import CorruptRecord, ForeignRecord, SessionStoreError
 from confkv.sessions.store import SessionStore
 
 log = logging.getLogger(__name__)
@@ -80,13 +81,24 @@ class StoreWorker:
                     log.exception("session store sweep failed")
 
     def _sweep(self, cutoff: float) -> None:
-        """Delete the store's sessions last used before ``cutoff``; an object that cannot be read (corrupt, or
-        another format's sharing the bucket) is left alone and does not stop the sweep."""
+        """Delete the store's sessions last used before ``cutoff``. A damaged tokens object is read past: the record
+        beside it says when the session was last used (and reading it writes the tokens again), and a session whose
+        record is damaged too is garbage, deleted. An object that cannot be read for another reason (the store
+        did not answer, another format's sharing the bucket) is left alone and does not stop the sweep."""
         store = self.store
         sids, err = call(store.list_sessions)
         for sid in sids if err is None else []:
+            if self._is_active(sid):
+                continue
             tokens, err = call(store.read_tokens, sid)
-            if err is None and tokens is not None and tokens.updated_at < cutoff and not self._is_active(sid):
+            updated_at = tokens.updated_at if err is None and tokens is not None else None
+            if isinstance(err, CorruptRecord | ForeignRecord):
+                record, err = call(store.get, sid, expect={})
+                if isinstance(err, CorruptRecord):
+                    updated_at = -math.inf
+                elif record is not None:
+                    updated_at = record.updated_at
+            if updated_at is not None and updated_at < cutoff:
                 call(store.delete, sid)
 
 
