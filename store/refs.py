@@ -53,7 +53,7 @@ def is_registry_ref(s: object) -> bool:
 
 def parse_ref(ref: str) -> tuple[str, int | str]:
     """``registry://NAME@X`` -> (NAME, version number or alias name); the alias defaults to ``production``."""
-    from store.registry import DEFAULT_ALIAS, check_alias, split_ref
+    from store.names import DEFAULT_ALIAS, check_alias, split_ref
 
     if not is_registry_ref(ref):
         raise RegistryError(f"{ref!r} is not a registry reference (registry://NAME@ALIAS or registry://NAME@VERSION)")

@@ -19,15 +19,11 @@ the last two.
 
 from __future__ import annotations
 
-import getpass
 import json
-import re
 import shutil
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,163 +37,27 @@ from store.artifacts import PackedPolicy, fetch_uri, materialise, pack_path, pol
 from store.db import display_url, get_engine, writer
 from store.errors import NotFoundError, PromotionRefused, RegistryError
 from store.models import KIND_LEARNED, Alias, AliasMove, Evaluation, Policy, PolicyVersion
+from store.names import (
+    DEFAULT_ALIAS,
+    LATEST,
+    AliasMoveInfo,
+    EvaluationInfo,
+    PolicySummary,
+    VersionInfo,
+    check_alias,
+    check_name,
+    move_info,
+    parse_version_ref,
+    split_ref,
+    utc,
+    version_info,
+    who_am_i,
+)
 
 T = TypeVar("T")
 
 NOTIFY_CHANNEL = "confkv_registry"
-DEFAULT_ALIAS = "production"
-LATEST = "latest"  # resolves to the newest version; cannot be used as an alias name (as in MLflow)
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-ALIAS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 UNSET: Any = object()  # "no expectation" for set_alias, "every version" for evaluations
-
-
-def who_am_i() -> str:
-    """``user@host``: recorded with each version and alias move."""
-    try:
-        user = getpass.getuser()
-    except Exception:  # no login name in some containers
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
-
-
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise RegistryError(f"invalid policy name {name!r}: use letters, digits, '.', '_' or '-' (at most 128)")
-    return name
-
-
-def check_alias(alias: str) -> str:
-    if not isinstance(alias, str) or not ALIAS_RE.match(alias) or alias == LATEST:
-        raise RegistryError(f"invalid alias {alias!r}: start with a letter; letters, digits, '_' or '-'; "
-                            f"{LATEST!r} is reserved")  # fmt: skip
-    return alias
-
-
-def _utc(t: datetime) -> datetime:
-    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)  # SQLite keeps no zone
-
-
-# ------------------------------------------------------------------------------------------------ plain results
-@dataclass(frozen=True)
-class VersionInfo:
-    policy: str
-    version: int
-    kind: str
-    parameters: dict[str, Any]
-    sha256: str
-    artifact_uri: str | None
-    created_at: datetime
-    created_by: str | None
-    description: str | None
-    model: str | None
-    mlflow_run_id: str | None
-    optuna_study: str | None
-    optuna_trial: int | None
-    parent: tuple[str, int] | None  # (policy name, version) it was derived from
-    aliases: tuple[str, ...] = ()
-
-    @property
-    def ref(self) -> str:
-        return f"{self.policy}@{self.version}"
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["created_at"] = self.created_at.isoformat()
-        d["parent"] = None if self.parent is None else f"{self.parent[0]}@{self.parent[1]}"
-        d["aliases"] = list(self.aliases)
-        return d
-
-
-@dataclass(frozen=True)
-class EvaluationInfo:
-    policy: str
-    version: int
-    workload: str
-    split: str
-    model: str | None
-    reward: float | None
-    metrics: dict[str, Any]
-    created_at: datetime
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["created_at"] = self.created_at.isoformat()
-        return d
-
-
-@dataclass(frozen=True)
-class AliasMoveInfo:
-    policy: str
-    alias: str
-    action: str  # promote, rollback, backfill
-    from_version: int | None
-    to_version: int | None
-    at: datetime
-    who: str | None
-    reason: str | None
-    changed: bool = True  # False: the alias already pointed there, nothing was recorded
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["at"] = self.at.isoformat()
-        return d
-
-
-@dataclass(frozen=True)
-class PolicySummary:
-    name: str
-    versions: int
-    latest: int | None
-    aliases: dict[str, int] = field(default_factory=dict)
-    created_at: datetime | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["created_at"] = None if self.created_at is None else self.created_at.isoformat()
-        return d
-
-
-def _version_info(v: PolicyVersion, aliases: tuple[str, ...] = ()) -> VersionInfo:
-    parent = None if v.parent is None else (v.parent.policy.name, v.parent.version)
-    return VersionInfo(
-        policy=v.policy.name, version=v.version, kind=v.kind, parameters=dict(v.parameters), sha256=v.artifact_sha256,
-        artifact_uri=v.artifact_uri, created_at=_utc(v.created_at), created_by=v.created_by,
-        description=v.description, model=v.model, mlflow_run_id=v.mlflow_run_id, optuna_study=v.optuna_study,
-        optuna_trial=v.optuna_trial, parent=parent, aliases=aliases,
-    )  # fmt: skip
-
-
-def _move_info(m: AliasMove, policy: str) -> AliasMoveInfo:
-    return AliasMoveInfo(
-        policy=policy, alias=m.alias, action=m.action,
-        from_version=None if m.from_version is None else m.from_version.version,
-        to_version=None if m.to_version is None else m.to_version.version,
-        at=_utc(m.at), who=m.who, reason=m.reason,
-    )  # fmt: skip
-
-
-def parse_version_ref(ref: int | str | None) -> int | str:
-    """``3``/``"3"``/``"v3"`` -> 3; ``None`` -> ``"production"``; other strings are aliases (or ``latest``)."""
-    if ref is None or ref == "":
-        return DEFAULT_ALIAS
-    if isinstance(ref, int):
-        return ref
-    s = ref.strip()
-    if s.isdigit():
-        return int(s)
-    if s[:1] in ("v", "V") and s[1:].isdigit():
-        return int(s[1:])
-    return s
-
-
-def split_ref(spec: str) -> tuple[str, int | str | None]:
-    """``NAME@3`` -> (NAME, 3); ``NAME@staging`` -> (NAME, "staging"); ``NAME`` -> (NAME, None)."""
-    name, sep, ref = spec.partition("@")
-    check_name(name)
-    if sep and not ref:
-        raise RegistryError(f"{spec!r}: nothing after '@' (expected NAME@VERSION or NAME@ALIAS)")
-    return name, (parse_version_ref(ref) if sep else None)
 
 
 # ------------------------------------------------------------------------------------------------ the registry
@@ -333,7 +193,7 @@ class Registry:
             )  # fmt: skip
             s.add(v)
             s.flush()
-            return _version_info(v)
+            return version_info(v)
 
         return self._write(unit)
 
@@ -453,7 +313,7 @@ class Registry:
             e = Evaluation(version_id=v.id, workload=workload, split=split, model=model, reward=reward, metrics=clean)
             s.add(e)
             s.flush()
-            return EvaluationInfo(name, v.version, workload, split, model, reward, clean, _utc(e.created_at))
+            return EvaluationInfo(name, v.version, workload, split, model, reward, clean, utc(e.created_at))
 
         return self._write(unit)
 
@@ -465,7 +325,7 @@ class Registry:
                 nums = s.scalars(select(PolicyVersion.version).where(PolicyVersion.policy_id == p.id)).all()
                 aliases = {a.alias: a.version.version for a in p.aliases}
                 out.append(PolicySummary(p.name, len(nums), max(nums) if nums else None, dict(sorted(aliases.items())),
-                                         _utc(p.created_at)))  # fmt: skip
+                                         utc(p.created_at)))  # fmt: skip
             return out
 
         return self._read(unit)
@@ -477,7 +337,7 @@ class Registry:
         def unit(s: Session) -> VersionInfo:
             p = self._policy(s, name)
             v = self._version(s, p, ref)
-            return _version_info(v, self._aliases_of(s, p).get(v.version, ()))
+            return version_info(v, self._aliases_of(s, p).get(v.version, ()))
 
         return self._read(unit)
 
@@ -498,7 +358,7 @@ class Registry:
         def unit(s: Session) -> list[VersionInfo]:
             p = self._policy(s, name)
             aliases = self._aliases_of(s, p)
-            return [_version_info(v, aliases.get(v.version, ())) for v in p.versions]
+            return [version_info(v, aliases.get(v.version, ())) for v in p.versions]
 
         return self._read(unit)
 
@@ -512,7 +372,7 @@ class Registry:
             if version is not UNSET:
                 q = q.where(Evaluation.version_id == self._version(s, p, version).id)
             return [EvaluationInfo(name, e.version.version, e.workload, e.split, e.model, e.reward, dict(e.metrics),
-                                   _utc(e.created_at)) for e in s.scalars(q.order_by(Evaluation.id))]  # fmt: skip
+                                   utc(e.created_at)) for e in s.scalars(q.order_by(Evaluation.id))]  # fmt: skip
 
         return self._read(unit)
 
@@ -525,7 +385,7 @@ class Registry:
             q = select(AliasMove).where(AliasMove.policy_id == p.id)
             if alias is not None:
                 q = q.where(AliasMove.alias == alias)
-            return [_move_info(m, name) for m in s.scalars(q.order_by(AliasMove.id))]
+            return [move_info(m, name) for m in s.scalars(q.order_by(AliasMove.id))]
 
         return self._read(unit)
 
@@ -537,7 +397,7 @@ class Registry:
         def unit(s: Session) -> tuple[VersionInfo, bytes | None]:
             p = self._policy(s, name)
             v = self._version(s, p, ref)
-            return _version_info(v, self._aliases_of(s, p).get(v.version, ())), v.artifact
+            return version_info(v, self._aliases_of(s, p).get(v.version, ())), v.artifact
 
         info, data = self._read(unit)
         if info.artifact_uri:

@@ -191,8 +191,8 @@ def _move_line(m: Any) -> str:
 
 
 def cmd_policies_show(args: argparse.Namespace) -> int:
+    from store.names import split_ref
     from store.refs import is_registry_ref
-    from store.registry import split_ref
 
     reg = _registry(args)
     spec = args.ref[len("registry://") :] if is_registry_ref(args.ref) else args.ref
@@ -250,7 +250,8 @@ def cmd_policies_show(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ promote, rollback
 def cmd_promote(args: argparse.Namespace) -> int:
     from store.errors import PromotionRefused
-    from store.registry import UNSET, parse_version_ref
+    from store.names import parse_version_ref
+    from store.registry import UNSET
 
     reg = _registry(args)
     version = parse_version_ref(args.version)
