@@ -2,7 +2,8 @@
 
 * ``store.models``: SQLAlchemy 2 typed tables; ``store.migrations``: the Alembic scripts that create and upgrade
   them (run on first use, never ``create_all``), so a production database is upgraded in place.
-* ``store.names``: name rules, references and the plain results; ``store.registry.Registry``: register, resolve, promote (move an alias), roll back, record evaluations, export.
+* ``store.names``: name rules, references and the plain results the registry returns.
+* ``store.registry.Registry``: register, resolve, promote (move an alias), roll back, record evaluations, export.
 * ``store.refs``: ``registry://NAME@ALIAS`` references, accepted wherever a policy file is.
 * ``store.watcher.PolicyWatcher``: follows a reference and reports when its alias moves (hot swap).
 
