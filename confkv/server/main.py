@@ -25,11 +25,12 @@ import uvicorn
 
 from confkv.config import CONTROLLER_NAMES, CachePolicy, make_engine_config, resolve_policy
 from confkv.errors import ConfkvError
-from confkv.server.app import ServerState, create_app
+from confkv.server.app import create_app
 from confkv.server.engine_thread import EngineThread, idle_wake_s
 from confkv.server.metrics import ServerMetrics
 from confkv.server.policy_sources import PolicyFileWatcher, file_version, follow_registry, resolve_registry
 from confkv.server.settings import ServerSettings, settings_from_args
+from confkv.server.state import ServerState
 from store.refs import is_registry_ref
 
 if TYPE_CHECKING:
