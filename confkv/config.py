@@ -26,6 +26,11 @@ PRESET_SCORERS: dict[str, str] = {"window": "recency", "streaming": "recency", "
 #: workload measured (BENCHMARKS.md, "What makes dynamic lose"), and it records no decode attention, so decode steps
 #: keep the fused attention kernel.
 DEFAULT_SCORER = {"dynamic": "snapkv", "learned": "snapkv", "fixed": "recency"}
+#: The most tokens any size or count may name (what an int32 index holds): a bound against typos and attacks, far past
+#: any context a model has.
+MAX_TOKENS = 2**31 - 1
+#: The most bytes a memory setting may name (16 TiB): past any machine's memory, so a unit typo is refused.
+MAX_MEMORY_BYTES = 2**44
 #: The old ``importance`` key, still read from policy files: what each value meant, as a scorer.
 _IMPORTANCE_SCORERS = {"attention": "h2o", "recency": "recency"}
 
@@ -40,12 +45,14 @@ class CachePolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     controller: str = Field("dynamic", description="one of " + ", ".join(CONTROLLER_NAMES))
-    base_size: int = Field(1024, ge=1, description="budget (tokens) the dynamic controller returns to when confident")
-    max_size: int = Field(4096, ge=1, description="the most tokens a sequence may keep on the device")
+    base_size: int = Field(
+        1024, ge=1, le=MAX_TOKENS, description="budget (tokens) the dynamic controller returns to when confident"
+    )
+    max_size: int = Field(4096, ge=1, le=MAX_TOKENS, description="the most tokens a sequence may keep on the device")
     entropy_threshold: float = Field(3.5, ge=0, description="entropy (nats) above which a step counts as uncertain")
     gap_threshold: float = Field(0.15, ge=0, le=1, description="top-1 minus top-2 probability below which: uncertain")
     scaling_factor: float = Field(0.8, gt=0, le=1, description="1.0 keeps the budget still; lower moves it faster")
-    min_recent: int = Field(512, ge=0, description="most recent tokens never evicted")
+    min_recent: int = Field(512, ge=0, le=MAX_TOKENS, description="most recent tokens never evicted")
     recent_share: float = Field(
         0.0, ge=0, le=1, description="share of the applied budget kept as the most recent tokens (at least min_recent)"
     )
@@ -67,10 +74,12 @@ class CachePolicy(BaseModel):
         description="with reselect_after_prompt: share of the blocks chosen by the prompt's last query (the rest keep "
         "the scorer's ranking of the resident blocks)",
     )
-    sink_tokens: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
+    sink_tokens: int = Field(4, ge=0, le=MAX_TOKENS, description="first tokens never evicted (attention sinks)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    compact_interval: int = Field(50, ge=1, description="tokens between budget contractions")
-    host_cache_memory: ByteSize = Field(ByteSize(2 * 1024**3), description="bytes of host memory for evicted blocks")
+    compact_interval: int = Field(50, ge=1, le=MAX_TOKENS, description="tokens between budget contractions")
+    host_cache_memory: ByteSize = Field(
+        ByteSize(2 * 1024**3), le=MAX_MEMORY_BYTES, description="bytes of host memory for evicted blocks"
+    )
     memory_high_watermark: float = Field(0.9, gt=0, le=1, description="pool use that trips the circuit breaker")
     memory_low_watermark: float | None = Field(
         None,
@@ -79,7 +88,9 @@ class CachePolicy(BaseModel):
         description="pool use the breaker shrinks back under and where admission of evicting policies stops "
         "(default: memory_high_watermark - 0.1)",
     )
-    snapkv_window: int = Field(32, ge=1, description="prompt queries that vote for the tokens snapkv keeps")
+    snapkv_window: int = Field(
+        32, ge=1, le=MAX_TOKENS, description="prompt queries that vote for the tokens snapkv keeps"
+    )
     attention_decay: float = Field(
         0.95, ge=0, le=1, description="what each decode step multiplies the decayed scorer's recorded attention by"
     )
@@ -88,7 +99,9 @@ class CachePolicy(BaseModel):
         description="how evictable blocks are ranked (h2o, snapkv, tova, knorm, recency, decayed); default: the "
         "controller's own (dynamic: snapkv)",
     )
-    recompute_tokens: int = Field(1, ge=1, description="trailing tokens recomputed after a recall (dynamic)")
+    recompute_tokens: int = Field(
+        1, ge=1, le=MAX_TOKENS, description="trailing tokens recomputed after a recall (dynamic)"
+    )
     recompute: Literal["last", "stale"] = Field(
         "last",
         description="what a recall recomputes: the last recompute_tokens tokens, or every generated token computed "
@@ -299,11 +312,15 @@ class EngineConfig(BaseModel):
     model: str = Field("smollm2-135m", description="'smollm2-135m', 'tiny-random', or a local Hugging Face folder")
     device: str | None = Field(None, description="torch device; default cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kv_cache_memory: ByteSize | None = Field(None, gt=0, description="bytes for the device KV pool ('1GiB')")
+    kv_cache_memory: ByteSize | None = Field(
+        None, gt=0, le=MAX_MEMORY_BYTES, description="bytes for the device KV pool ('1GiB')"
+    )
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the pool if unset")
-    max_batch_size: int = Field(32, ge=1, description="most sequences decoded together")
-    max_num_batched_tokens: int = Field(512, ge=16, description="tokens per step (prefill chunks + decodes)")
-    max_model_len: int | None = Field(None, ge=2, description="context limit; default the model's")
+    max_batch_size: int = Field(32, ge=1, le=MAX_TOKENS, description="most sequences decoded together")
+    max_num_batched_tokens: int = Field(
+        512, ge=16, le=MAX_TOKENS, description="tokens per step (prefill chunks + decodes)"
+    )
+    max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS, description="context limit; default the model's")
     seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="within torch's seed range")
     cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")
     pack_weights: bool = Field(True, description="on CPU, run linear layers on oneDNN with weights packed once")

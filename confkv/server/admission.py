@@ -18,11 +18,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Limits:
-    """What this server allows a request: prompt tokens, ``max_tokens``, and the model's context."""
+    """What this server allows a request: prompt tokens, ``max_tokens``, the model's context, and its vocabulary
+    (None where the engine does not say) that ``top_k`` and ``stop_token_ids`` must keep within."""
 
     max_prompt_tokens: int
     max_tokens_limit: int
     max_model_len: int
+    vocab_size: int | None = None
 
 
 @dataclass
@@ -42,6 +44,27 @@ def tokenize(engine: LLMEngine, req: GenerateRequest) -> list[int]:
             raise ConfkvError("prompt is empty")
         return list(engine.tokenize(req.prompt))
     return [int(t) for t in req.prompt or []]
+
+
+def check_vocabulary(sampling: dict[str, Any], vocab_size: int | None) -> None:
+    """``top_k`` at most the vocabulary, and every stop token id one of the model's."""
+    if vocab_size is None:
+        return
+    if sampling.get("top_k", 0) > vocab_size:
+        raise RequestRejected(f"top_k is {sampling['top_k']}; this model has {vocab_size} tokens", "top_k")
+    bad = [t for t in sampling.get("stop_token_ids", ()) if t >= vocab_size]
+    if bad:
+        raise RequestRejected(
+            f"stop_token_ids: {bad[0]} is not a token id of this model (they lie in [0, {vocab_size}))",
+            "stop_token_ids",
+        )
+
+
+def vocab_size_of(engine: LLMEngine) -> int | None:
+    """The model's vocabulary size, or None for an engine without a model config (a test's stand-in)."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    size = getattr(config, "vocab_size", None)
+    return int(size) if isinstance(size, int) else None
 
 
 def admit(engine: LLMEngine, req: GenerateRequest, limits: Limits) -> Admitted:
@@ -71,6 +94,7 @@ def admit(engine: LLMEngine, req: GenerateRequest, limits: Limits) -> Admitted:
         )
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
+    check_vocabulary(kwargs, limits.vocab_size)
     try:
         params = SamplingParams(**kwargs)
     except ConfkvError as err:

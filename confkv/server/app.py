@@ -12,8 +12,10 @@ is read), a bad cache policy on ``PUT /v1/cache_policy`` (422); 503 while draini
 A 500 means a bug in confkv, never bad input. Every 4xx is counted under a client kind of ``confkv:request_errors``,
 never ``internal``.
 
-The routes live by family in ``routes/`` (``openai``, ``policy``, ``sessions``, ``ops``); the body limit and the API
-key check in ``middleware.py``; what they share in ``state.py``.
+The routes live by family in ``routes/`` (``openai``, ``policy``, ``sessions``, ``ops``); what they share in
+``state.py``. Before any of them, ``middleware.py`` checks the API key and reads the body (its size, its time, its
+JSON's encoding and depth), and below that ``http11.py`` answers the HTTP parser's own errors and slow request heads,
+all in the same error body.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.routing import Route
 
 from confkv.server.errors import APIError, install_error_handlers
-from confkv.server.middleware import BodyLimitMiddleware
+from confkv.server.middleware import RequestGuard
+from confkv.server.openapi import install_openapi
 from confkv.server.routes import openai, ops, policy, sessions
 from confkv.server.state import ServerState
 
@@ -36,9 +40,11 @@ def create_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = N
     app = FastAPI(title="confkv", version="0.1.0", lifespan=lifespan)
     app.state.confkv = state
     install_error_handlers(app, state.metrics)
-    app.add_middleware(
-        BodyLimitMiddleware, limit=state.settings.max_body_bytes, on_refuse=lambda: state.metrics.error("too_large")
-    )
+    install_openapi(app, state.settings.served_model_name)
+    app.add_middleware(RequestGuard, state=state)
+    routes = [route for route in app.router.routes if isinstance(route, Route)]  # FastAPI's own: /openapi.json ...
     for module in (ops, openai, policy, sessions):
         app.include_router(module.router)
+        routes += [route for route in module.router.routes if isinstance(route, Route)]
+    app.state.route_methods = [(route.path_regex, set(route.methods or ())) for route in routes]  # for a 405's Allow
     return app

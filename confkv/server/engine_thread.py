@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from confkv.config import CachePolicy
 from confkv.errors import ConfkvError
-from confkv.server.admission import Limits, admit
+from confkv.server.admission import Limits, admit, vocab_size_of
 from confkv.server.channel import (
     EngineUnavailable,
     Event,
@@ -106,6 +106,7 @@ class EngineThread:
         self.max_model_len = int(engine.max_model_len)
         self.max_prompt_tokens = min(max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.max_tokens_limit = max_tokens_limit or self.max_model_len
+        self.vocab_size = vocab_size_of(engine)
         self.session_flush_s = session_flush_s
         self.wake_s = wake_s
         #: the engine's object store (thread-safe) or None: the HTTP side deletes a session's record through it
@@ -339,7 +340,7 @@ class EngineThread:
             cmd.future.set_result(bool(self.engine.delete_session(sid)) or running)
 
     def _add(self, req: GenerateRequest, stream: RequestStream) -> int:
-        limits = Limits(self.max_prompt_tokens, self.max_tokens_limit, self.max_model_len)
+        limits = Limits(self.max_prompt_tokens, self.max_tokens_limit, self.max_model_len, self.vocab_size)
         ok = admit(self.engine, req, limits)
         self.engine.add_request(req.request_id, ok.ids, ok.params, policy_overrides=req.policy_overrides, **ok.extra)
         self._inflight.add(req.request_id, stream, ok.params.stop, len(ok.ids), req.logprobs)

@@ -27,6 +27,7 @@ _STATUS_KIND = {
     401: "unauthorized",
     404: "not_found",
     405: "bad_request",
+    408: "timeout",
     409: "conflict",
     413: "too_large",
     422: "bad_request",
@@ -36,6 +37,7 @@ _STATUS_TYPE = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -51,14 +53,18 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-class BodyTooLarge(StarletteHTTPException):
-    """A chunked body went over the limit while it was read (see ``middleware.BodyLimitMiddleware``).
+#: OpenAI's ``code`` of the errors Starlette raises itself (an unknown path, a method the path does not take)
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
-    An ``HTTPException``, so FastAPI's body parsing passes it on (any other exception there becomes its generic
-    400 "There was an error parsing the body") and the app's handler answers the 413."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body is larger than {limit} bytes")
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route on the request's path takes (a path served by several routes, one per method), from
+    the table ``create_app`` keeps in ``app.state.route_methods``."""
+    methods: set[str] = set()
+    for pattern, route_methods in request.app.state.route_methods:
+        if pattern.fullmatch(request.url.path):
+            methods |= route_methods
+    return sorted(methods)
 
 
 def error_kind(status: int) -> str:
@@ -154,10 +160,11 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return respond(400, "; ".join(parts), param=param, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        if isinstance(err, BodyTooLarge):  # a chunked body over the limit, cut off while it was read
-            return respond(413, err.detail, code="request_too_large")
-        return respond(err.status_code, str(err.detail), headers=err.headers)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        headers = dict(err.headers or {})
+        if err.status_code == 405:  # Starlette's Allow names the first route on the path only
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        return respond(err.status_code, str(err.detail), code=_HTTP_CODES.get(err.status_code), headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, err: Exception) -> JSONResponse:

@@ -27,6 +27,7 @@ from confkv.config import CONTROLLER_NAMES, CachePolicy, make_engine_config, res
 from confkv.errors import ConfkvError
 from confkv.server.app import create_app
 from confkv.server.engine_thread import EngineThread, idle_wake_s
+from confkv.server.http11 import protocol_for
 from confkv.server.metrics import ServerMetrics
 from confkv.server.policy_sources import PolicyFileWatcher, file_version, follow_registry, resolve_registry
 from confkv.server.settings import ServerSettings, settings_from_args
@@ -241,6 +242,7 @@ def serve(args: argparse.Namespace) -> int:
         access_log=getattr(args, "access_log", False),
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
+        http=protocol_for(state),  # h11 with a deadline on request heads and the parser's errors in OpenAI's body
     )
     server = DrainingServer(uv_config, state)
     server.run()

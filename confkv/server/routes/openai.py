@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
@@ -21,21 +21,26 @@ from confkv.errors import ConfkvError
 from confkv.server import protocol as P
 from confkv.server.engine_thread import EngineUnavailable, Event, GenerateRequest, RequestRejected, RequestStream
 from confkv.server.errors import APIError, param_from_message
-from confkv.server.middleware import require_key
+from confkv.server.openapi import errors, ok
 from confkv.server.state import ServerState, StateDep
 from confkv.server.streaming import collect, engine_failure, stream_events, streaming_response
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter()
+#: a streamed answer: server-sent events, each ``data: CHUNK`` (a ``*.chunk`` object), then ``data: [DONE]``
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses={**ok(P.ModelList), **errors(401)})
 async def list_models(state: StateDep) -> dict[str, Any]:
     et = state.engine_thread
     card = P.ModelCard(id=state.settings.served_model_name, created=state.started, max_model_len=et.max_model_len)
     return P.ModelList(data=[card]).model_dump()
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    responses={**ok(P.CompletionResponse, media=_SSE), **errors(400, 401, 404, 408, 409, 413, 500, 503)},
+)
 async def completions(body: P.CompletionRequest, request: Request, state: StateDep) -> Response:
     check_request(state, body, body.unsupported())
     try:
@@ -75,7 +80,10 @@ async def completions(body: P.CompletionRequest, request: Request, state: StateD
     return await generate(state, body, request, req, P.CompletionChunk, chunk, response)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    responses={**ok(P.ChatCompletionResponse, media=_SSE), **errors(400, 401, 404, 408, 409, 413, 500, 503)},
+)
 async def chat_completions(body: P.ChatCompletionRequest, request: Request, state: StateDep) -> Response:
     check_request(state, body, body.unsupported())
     req = GenerateRequest(

@@ -6,12 +6,19 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from confkv.server.openapi import HealthStatus, ok
 from confkv.server.state import StateDep
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    responses={
+        **ok(HealthStatus),
+        503: {"model": HealthStatus, "description": "draining, or the engine is gone or stuck"},
+    },
+)
 async def health(state: StateDep) -> Response:
     """200 while serving; 503 while draining, or when the engine thread is gone or stuck in a step."""
     et = state.engine_thread
@@ -23,6 +30,6 @@ async def health(state: StateDep) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@router.get("/metrics", responses=ok(media={"text/plain": {"schema": {"type": "string"}}}))
 async def prometheus_metrics(state: StateDep) -> Response:
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from confkv.config import CachePolicy, format_validation_error
@@ -15,10 +16,47 @@ from confkv.errors import ConfkvError
 from confkv.server import protocol as P
 from confkv.server.engine_thread import EngineUnavailable
 from confkv.server.errors import APIError, not_json, param_from_policy_message, param_of
-from confkv.server.middleware import require_key
+from confkv.server.openapi import PolicyDoc, errors, ok
 from confkv.server.state import ServerState, StateDep, engine_answer
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter()
+
+
+def check_learned_path(policy: CachePolicy, current: CachePolicy, allowed_dirs: tuple[str, ...]) -> None:
+    """A learned policy loads over the API only from the folder served now (started with, or followed in the
+    registry) or from one under an ``--allowed-policy-dir``: anything else is refused with one message whatever the
+    path is, so the answer tells nothing of the server's file system, and no folder the operator did not name is
+    ever read."""
+    path = policy.learned_path
+    if path is None or path == current.learned_path:
+        return
+    real = os.path.realpath(path)  # a symlink or ".." inside an allowed folder that leads out of it is refused
+    for folder in allowed_dirs:
+        root = os.path.realpath(folder)
+        if os.path.commonpath([real, root]) == root:
+            return
+    where = "a folder under --allowed-policy-dir" if allowed_dirs else "no folder (no --allowed-policy-dir given)"
+    raise APIError(
+        422,
+        f"learned_path: this server loads a learned policy over the API only from {where}, or the one it serves "
+        "now; serve one with --policy-file or from the registry (--policy registry://NAME@ALIAS)",
+        param="learned_path",
+        code="learned_path_not_allowed",
+    )
+
+
+def check_host_memory(policy: CachePolicy, current: CachePolicy) -> None:
+    """A new ``host_cache_memory`` within the machine's memory (a unit typo would otherwise be taken at its word)."""
+    if policy.host_cache_memory == current.host_cache_memory:
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if policy.host_cache_memory > total:
+        raise APIError(
+            422,
+            f"host_cache_memory is {policy.host_cache_memory} bytes; this machine has {total} bytes of memory",
+            param="host_cache_memory",
+            code="invalid_value",
+        )
 
 
 def policy_doc(state: ServerState) -> dict[str, Any]:
@@ -26,12 +64,12 @@ def policy_doc(state: ServerState) -> dict[str, Any]:
     return {**info, "policy": policy.model_dump(mode="json")}
 
 
-@router.get("/v1/cache_policy")
+@router.get("/v1/cache_policy", responses={**ok(PolicyDoc), **errors(401)})
 async def get_cache_policy(state: StateDep) -> dict[str, Any]:
     return policy_doc(state)
 
 
-@router.put("/v1/cache_policy")
+@router.put("/v1/cache_policy", responses={**ok(PolicyDoc), **errors(400, 401, 408, 413, 422, 503)})
 async def put_cache_policy(request: Request, state: StateDep) -> dict[str, Any]:
     """Swap the served policy: 200 with the new one, 422 for a policy that cannot be, 503 while draining."""
     et = state.engine_thread
@@ -55,6 +93,8 @@ async def put_cache_policy(request: Request, state: StateDep) -> dict[str, Any]:
         first = err.errors()[0]
         param = param_of(tuple(first.get("loc", ()))) or param_from_policy_message(first.get("msg", ""))
         raise APIError(422, format_validation_error(err, "cache policy"), param=param, code="invalid_value") from None
+    check_learned_path(policy, current, state.settings.allowed_policy_dirs)
+    check_host_memory(policy, current)
     version = hashlib.sha256(policy.model_dump_json().encode()).hexdigest()[:12]
     if state.draining:
         raise APIError(503, "the server is shutting down", code="server_shutting_down")

@@ -7,20 +7,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from confkv.errors import ConfkvError
 from confkv.server.engine_thread import EngineUnavailable
 from confkv.server.errors import APIError
-from confkv.server.middleware import require_key
+from confkv.server.openapi import SessionDeleted, errors, ok
 from confkv.server.state import StateDep, engine_answer
 from confkv.sessions.errors import SessionStoreError
 from confkv.sessions.store import check_session_id
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter()
 
 
-@router.delete("/v1/sessions/{session_id}")
+@router.delete("/v1/sessions/{session_id}", responses={**ok(SessionDeleted), **errors(400, 401, 404, 503)})
 async def delete_session(session_id: str, state: StateDep) -> dict[str, Any]:
     """Forget a session everywhere: 200 with where it was found, 404 if neither the engine's memory nor the store
     held it, 400 for an id that cannot name a session, 503 if the store could not be reached (the memory tiers
