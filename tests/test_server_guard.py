@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from confkv.config import CachePolicy
 from confkv.learned import OBS_DIM, MLPPolicy
+from confkv.server.middleware import json_too_deep
 from tests.server_proc import ServerProcess
 
 MODEL = "tiny-random"
@@ -107,6 +110,37 @@ def test_deeply_nested_json_is_a_400_before_it_is_parsed(server, method, path, s
     assert err["code"] == "invalid_json" and "nested" in err["message"], err
     assert request_errors(server, "internal") == internal
     assert server.request("GET", "/health")[0] == 200
+
+
+def depth_of(value: object) -> int:
+    if isinstance(value, list):
+        return 1 + max((depth_of(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((depth_of(v) for v in value.values()), default=0)
+    return 0
+
+
+TEXT = st.text(alphabet='[]{}"\\ax\u00e9', max_size=8)
+JSON = st.recursive(st.none() | st.integers() | TEXT,
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+                    max_leaves=40)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(JSON, st.integers(0, 6))
+def test_the_depth_scan_measures_what_the_parser_would_recurse(value, limit):
+    """Strings full of brackets, quotes and backslashes: only the structure counts, exactly."""
+    body = json.dumps(value, ensure_ascii=False).encode()
+    assert json_too_deep(body, limit) == (depth_of(value) > limit), body
+
+
+def test_the_depth_scan_counts_unclosed_brackets_and_stops_early():
+    assert not json_too_deep(b"[" * 64 + b"]" * 64) and json_too_deep(b"[" * 65 + b"]" * 65)
+    assert json_too_deep(b"[" * 65) and json_too_deep(b'{"a":' * 65)
+    assert not json_too_deep(b"[]" * 2_000_000)  # wide, not deep: 4 MB of it
+    t0 = time.monotonic()
+    assert json_too_deep(b"[" * 2_000_000 + b"]" * 2_000_000)
+    assert time.monotonic() - t0 < 1.0
 
 
 def test_brackets_inside_strings_do_not_count_as_nesting(server):

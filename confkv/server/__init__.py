@@ -4,6 +4,7 @@
 (what passes between it and the HTTP side), ``admission`` (a request's checks on that thread) and ``inflight`` (the
 requests in flight and their events), ``detok`` (incremental detokenisation with stop-string hold-back), ``metrics``
 (Prometheus), ``policy_sources`` (watched policy file, registry reference), ``app`` (the FastAPI app assembled from
-``routes/``, ``errors``, ``middleware``, ``streaming`` and ``state``), ``main`` (uvicorn with a draining SIGTERM),
+``routes/``, ``errors``, ``middleware``, ``streaming``, ``openapi`` and ``state``), ``http11`` (uvicorn's h11 protocol
+with a request-head deadline and the parser's errors in OpenAI's body), ``main`` (uvicorn with a draining SIGTERM),
 ``settings`` (the flags). Importing this package imports nothing heavy; ``confkv.server.app`` brings in FastAPI.
 """

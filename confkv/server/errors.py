@@ -53,8 +53,9 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-#: OpenAI's ``code`` of the errors Starlette raises itself (an unknown path, a method the path does not take)
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+#: OpenAI's ``code`` of the errors Starlette and FastAPI raise themselves (a body FastAPI could not parse, an unknown
+#: path, a method the path does not take)
+_HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
 
 
 def allowed_methods(request: Request) -> list[str]:

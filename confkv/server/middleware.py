@@ -21,6 +21,7 @@ import json
 import secrets
 from typing import TYPE_CHECKING
 
+import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from confkv.server.errors import error_body, error_kind, not_json
@@ -42,21 +43,17 @@ def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     brackets outside strings; every step runs at C speed, so a 4 MiB body takes milliseconds whatever its shape.
 
     Escaped backslashes and quotes are dropped first, so the quotes left delimit strings and every other piece
-    between them lies outside one. Of the brackets outside, each pass removes the innermost pairs (``[]`` once
-    ``{}`` read as ``[]``): the passes it takes are the nesting depth. Brackets left unpaired (a body never closed)
-    still make a parser recurse, so they count too.
+    between them lies outside one. The depth at each bracket outside is the running sum of +1 per opening and -1 per
+    closing one, and a parser recurses as deep as its highest point: brackets never closed count too (past a stray
+    closing bracket the sum may read low, but a parser stops there).
     """
     if body.count(b"[") + body.count(b"{") <= limit:
         return False
     text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
     brackets = b"".join(text.split(b'"')[::2]).translate(_AS_SQUARE, _NOT_BRACKETS)
-    depth = 0
-    while b"[]" in brackets:
-        if depth == limit:
-            return True
-        brackets = brackets.replace(b"[]", b"")
-        depth += 1
-    return depth + brackets.count(b"[") > limit
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = (codes == ord("[")).astype(np.int32) - (codes == ord("]"))
+    return bool(steps.size) and int(np.cumsum(steps).max()) > limit
 
 
 def key_matches(authorization: bytes | None, api_key: str) -> bool:
@@ -96,7 +93,7 @@ class RequestGuard:
         if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
             await self._refuse(send, 413, self._too_large(), "request_too_large", close=False)
             return
-        if b"transfer-encoding" not in headers and (length is None or int(length or b"0") == 0):
+        if b"transfer-encoding" not in headers and (length is None or length.strip(b"0") == b""):
             await self.app(scope, receive, send)  # no body to read
             return
         try:

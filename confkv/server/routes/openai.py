@@ -26,8 +26,17 @@ from confkv.server.state import ServerState, StateDep
 from confkv.server.streaming import collect, engine_failure, stream_events, streaming_response
 
 router = APIRouter()
-#: a streamed answer: server-sent events, each ``data: CHUNK`` (a ``*.chunk`` object), then ``data: [DONE]``
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+#: a streamed answer: server-sent events, each ``data: CHUNK`` (a ``*.chunk`` object as JSON, or an error body), then
+#: ``data: [DONE]``; the schema describes one event, as OpenAPI does for an event stream
+_SSE = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"type": "string", "description": "a chunk or an error as JSON, or [DONE]"}},
+        }
+    }
+}
 
 
 @router.get("/v1/models", responses={**ok(P.ModelList), **errors(401)})
