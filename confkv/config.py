@@ -29,7 +29,7 @@ DEFAULT_SCORER = {"dynamic": "snapkv", "learned": "snapkv", "fixed": "recency"}
 #: The most tokens any size or count may name (what an int32 index holds): a bound against typos and attacks, far past
 #: any context a model has.
 MAX_TOKENS = 2**31 - 1
-#: The most bytes a memory setting may name (16 TiB): past any machine's memory, so a unit typo is refused.
+#: The most bytes of host memory a policy may name (16 TiB): past any machine's memory, so a unit typo is refused.
 MAX_MEMORY_BYTES = 2**44
 #: The old ``importance`` key, still read from policy files: what each value meant, as a scorer.
 _IMPORTANCE_SCORERS = {"attention": "h2o", "recency": "recency"}
@@ -312,15 +312,11 @@ class EngineConfig(BaseModel):
     model: str = Field("smollm2-135m", description="'smollm2-135m', 'tiny-random', or a local Hugging Face folder")
     device: str | None = Field(None, description="torch device; default cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kv_cache_memory: ByteSize | None = Field(
-        None, gt=0, le=MAX_MEMORY_BYTES, description="bytes for the device KV pool ('1GiB')"
-    )
+    kv_cache_memory: ByteSize | None = Field(None, gt=0, description="bytes for the device KV pool ('1GiB')")
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the pool if unset")
-    max_batch_size: int = Field(32, ge=1, le=MAX_TOKENS, description="most sequences decoded together")
-    max_num_batched_tokens: int = Field(
-        512, ge=16, le=MAX_TOKENS, description="tokens per step (prefill chunks + decodes)"
-    )
-    max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS, description="context limit; default the model's")
+    max_batch_size: int = Field(32, ge=1, description="most sequences decoded together")
+    max_num_batched_tokens: int = Field(512, ge=16, description="tokens per step (prefill chunks + decodes)")
+    max_model_len: int | None = Field(None, ge=2, description="context limit; default the model's")
     seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="within torch's seed range")
     cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")
     pack_weights: bool = Field(True, description="on CPU, run linear layers on oneDNN with weights packed once")
