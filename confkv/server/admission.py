@@ -98,7 +98,7 @@ def admit(engine: LLMEngine, req: GenerateRequest, limits: Limits) -> Admitted:
     try:
         params = SamplingParams(**kwargs)
     except ConfkvError as err:
-        field = next((k for k in kwargs if f": {k}:" in f": {err}" or f" {k}:" in str(err)), None)
+        field = err.param or next((k for k in kwargs if f": {k}:" in f": {err}" or f" {k}:" in str(err)), None)
         raise RequestRejected(str(err), field) from None
     if req.policy_overrides:
         try:

@@ -151,7 +151,8 @@ async def admit(state: ServerState, req: GenerateRequest) -> RequestStream:
     except RequestRejected as err:
         raise APIError(err.status, str(err), param=err.param, code=err.code) from None
     except ConfkvError as err:
-        raise APIError(400, str(err), param=param_from_message(str(err)), code="invalid_value") from None
+        param = err.param or param_from_message(str(err))  # the message is read only where the engine names none
+        raise APIError(400, str(err), param=param, code="invalid_value") from None
     except EngineUnavailable as err:
         raise APIError(503, f"the engine is not available: {err}", code="engine_unavailable") from None
     except asyncio.CancelledError:

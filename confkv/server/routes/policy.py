@@ -101,7 +101,8 @@ async def put_cache_policy(request: Request, state: StateDep) -> dict[str, Any]:
     try:
         await engine_answer(et.set_policy(policy, source="api", version=version))
     except ConfkvError as err:
-        raise APIError(422, str(err), param=param_from_policy_message(str(err)), code="invalid_value") from None
+        param = err.param or param_from_policy_message(str(err))  # the message is read only where the engine names none
+        raise APIError(422, str(err), param=param, code="invalid_value") from None
     except EngineUnavailable as err:
         raise APIError(503, f"the engine is not available: {err}", code="engine_unavailable") from None
     except TimeoutError:
