@@ -20,8 +20,21 @@ from confkv.plugins import CONTROLLERS, SCORERS
 
 #: The built-in policies, the ones benchmarks compare (``learned`` needs an exported policy folder).
 BUILTIN_POLICIES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snapkv", "dynamic")
+#: The most tokens any size or count may name (what an int32 index holds): a bound against typos and attacks, far past
+#: any context a model has.
+MAX_TOKENS = 2**31 - 1
+#: The most bytes of host memory a policy may name (16 TiB): past any machine's memory, so a unit typo is refused.
+MAX_MEMORY_BYTES = 2**44
 #: The old ``importance`` key, still read from policy files: what each value meant, as a scorer.
 _IMPORTANCE_SCORERS = {"attention": "h2o", "recency": "recency"}
+
+
+class KeyValueError(ValueError):
+    """A check across keys that names the key it is about: the error's ``param`` is that key, not a guess."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class CachePolicy(BaseModel):
@@ -36,12 +49,14 @@ class CachePolicy(BaseModel):
     controller: str = Field(
         "dynamic", description="the budget rule: full, window, streaming, h2o, snapkv, dynamic, fixed or learned"
     )
-    base_size: int = Field(1024, ge=1, description="budget (tokens) the dynamic controller returns to when confident")
-    max_size: int = Field(4096, ge=1, description="the most tokens a sequence may keep on the device")
+    base_size: int = Field(
+        1024, ge=1, le=MAX_TOKENS, description="budget (tokens) the dynamic controller returns to when confident"
+    )
+    max_size: int = Field(4096, ge=1, le=MAX_TOKENS, description="the most tokens a sequence may keep on the device")
     entropy_threshold: float = Field(3.5, ge=0, description="entropy (nats) above which a step counts as uncertain")
     gap_threshold: float = Field(0.15, ge=0, le=1, description="top-1 minus top-2 probability below which: uncertain")
     scaling_factor: float = Field(0.8, gt=0, le=1, description="1.0 keeps the budget still; lower moves it faster")
-    min_recent: int = Field(512, ge=0, description="most recent tokens never evicted")
+    min_recent: int = Field(512, ge=0, le=MAX_TOKENS, description="most recent tokens never evicted")
     recent_share: float = Field(
         0.0, ge=0, le=1, description="share of the applied budget kept as the most recent tokens (at least min_recent)"
     )
@@ -63,10 +78,12 @@ class CachePolicy(BaseModel):
         description="with reselect_after_prompt: share of the blocks chosen by the prompt's last query (the rest keep "
         "the scorer's ranking of the resident blocks)",
     )
-    sink_tokens: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
+    sink_tokens: int = Field(4, ge=0, le=MAX_TOKENS, description="first tokens never evicted (attention sinks)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    compact_interval: int = Field(50, ge=1, description="tokens between budget contractions")
-    host_cache_memory: ByteSize = Field(ByteSize(2 * 1024**3), description="bytes of host memory for evicted blocks")
+    compact_interval: int = Field(50, ge=1, le=MAX_TOKENS, description="tokens between budget contractions")
+    host_cache_memory: ByteSize = Field(
+        ByteSize(2 * 1024**3), le=MAX_MEMORY_BYTES, description="bytes of host memory for evicted blocks"
+    )
     memory_high_watermark: float = Field(0.9, gt=0, le=1, description="pool use that trips the circuit breaker")
     memory_low_watermark: float | None = Field(
         None,
@@ -75,7 +92,9 @@ class CachePolicy(BaseModel):
         description="pool use the breaker shrinks back under and where admission of evicting policies stops "
         "(default: memory_high_watermark - 0.1)",
     )
-    snapkv_window: int = Field(32, ge=1, description="prompt queries that vote for the tokens snapkv keeps")
+    snapkv_window: int = Field(
+        32, ge=1, le=MAX_TOKENS, description="prompt queries that vote for the tokens snapkv keeps"
+    )
     attention_decay: float = Field(
         0.95, ge=0, le=1, description="what each decode step multiplies the decayed scorer's recorded attention by"
     )
@@ -84,7 +103,9 @@ class CachePolicy(BaseModel):
         description="how evictable blocks are ranked: a scorer registered in confkv.scorers; default: the "
         "controller's own (dynamic: snapkv)",
     )
-    recompute_tokens: int = Field(1, ge=1, description="trailing tokens recomputed after a recall (dynamic)")
+    recompute_tokens: int = Field(
+        1, ge=1, le=MAX_TOKENS, description="trailing tokens recomputed after a recall (dynamic)"
+    )
     recompute: Literal["last", "stale"] = Field(
         "last",
         description="what a recall recomputes: the last recompute_tokens tokens, or every generated token computed "
@@ -100,7 +121,9 @@ class CachePolicy(BaseModel):
             values = dict(values)
             old = values.pop("importance")
             if old not in _IMPORTANCE_SCORERS:
-                raise ValueError(f"importance must be attention or recency (got {old!r}); it is now the scorer key")
+                raise KeyValueError(
+                    "importance", f"importance must be attention or recency (got {old!r}); it is now the scorer key"
+                )
             values.setdefault("scorer", _IMPORTANCE_SCORERS[old])
         return values
 
@@ -115,31 +138,38 @@ class CachePolicy(BaseModel):
     @model_validator(mode="after")
     def _check_ranges(self) -> CachePolicy:
         if self.controller not in CONTROLLERS:
-            raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)} (got {self.controller!r})")
+            raise KeyValueError(
+                "controller", f"controller must be one of {', '.join(CONTROLLERS)} (got {self.controller!r})"
+            )
         if self.scorer is not None:
             if self.scorer not in SCORERS:
-                raise ValueError(f"scorer must be one of {', '.join(SCORERS)} (got {self.scorer!r})")
+                raise KeyValueError("scorer", f"scorer must be one of {', '.join(SCORERS)} (got {self.scorer!r})")
             preset = preset_scorer(self.controller)
             if preset is not None and self.scorer != preset:
-                raise ValueError(
+                raise KeyValueError(
+                    "scorer",
                     f"controller {self.controller!r} is the preset fixed + {preset}; for another scorer use "
-                    f"controller: fixed with scorer: {self.scorer}"
+                    f"controller: fixed with scorer: {self.scorer}",
                 )
         if self.memory_low_watermark is not None and self.memory_low_watermark > self.memory_high_watermark:
-            raise ValueError(
+            raise KeyValueError(
+                "memory_low_watermark",
                 f"memory_low_watermark ({self.memory_low_watermark}) must be <= memory_high_watermark "
-                f"({self.memory_high_watermark})"
+                f"({self.memory_high_watermark})",
             )
         if self.controller == "learned" and not self.learned_path:
-            raise ValueError("controller 'learned' needs learned_path: the folder of an exported policy")
+            raise KeyValueError(
+                "learned_path", "controller 'learned' needs learned_path: the folder of an exported policy"
+            )
         if self.controller not in ("dynamic", "learned"):  # the fixed baselines only use max_size
             return self
         if self.max_size < self.base_size:
-            raise ValueError(f"max_size ({self.max_size}) must be >= base_size ({self.base_size})")
+            raise KeyValueError("max_size", f"max_size ({self.max_size}) must be >= base_size ({self.base_size})")
         if self.min_recent + self.sink_tokens > self.max_size:
-            raise ValueError(
+            raise KeyValueError(
+                "min_recent",
                 f"min_recent + sink_tokens ({self.min_recent} + {self.sink_tokens}) must be <= max_size "
-                f"({self.max_size}) for the dynamic controller"
+                f"({self.max_size}) for the dynamic controller",
             )
         return self
 
@@ -178,12 +208,24 @@ def format_validation_error(err: ValidationError, what: str) -> str:
     return f"invalid {what}: " + "; ".join(parts)
 
 
+def error_field(err: ValidationError) -> str | None:
+    """The key the first error is about: where pydantic located it, or the key a cross-key check named."""
+    errors = err.errors()
+    if not errors:
+        return None
+    loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"]
+    if loc:
+        return ".".join(loc)
+    cause = (errors[0].get("ctx") or {}).get("error")
+    return cause.key if isinstance(cause, KeyValueError) else None
+
+
 def make_policy(values: dict[str, Any]) -> CachePolicy:
     """Build a policy from plain values, turning validation errors into one readable ``ConfkvError``."""
     try:
         return CachePolicy(**values)
     except ValidationError as err:
-        raise ConfkvError(format_validation_error(err, "cache policy")) from None
+        raise ConfkvError(format_validation_error(err, "cache policy"), param=error_field(err)) from None
 
 
 def load_policy_file(path: str | Path) -> CachePolicy:

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +17,7 @@ from confkv.engine.engine import StepOutput as Out
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
 from confkv.model_loader import tiny_random_tokenizer
-from confkv.server.engine_thread import EngineThread, GenerateRequest, RequestRejected
+from confkv.server.engine_thread import EngineThread, GenerateRequest
 from confkv.server.metrics import ServerMetrics
 
 
@@ -80,13 +81,20 @@ class FakeEngine:
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def add_request(
-        self, rid: str, prompt: list[int], params: SamplingParams, *, chat: bool = False, policy_overrides=None
-    ) -> None:
-        text = self.tokenizer.decode(prompt)
+    def session_running(self, session_id: str) -> bool:
+        return session_id in self.sessions.active
+
+    def add_request(self, rid: str, prompt, sampling: dict, *, policy_overrides=None, session_id=None, limits=None):
+        """What the engine's admission does with what the thread hands it, in short: the limits it was given
+        refuse a ``max_tokens`` past them, naming the field."""
+        ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+        if limits is not None and sampling.get("max_tokens", 0) > limits.max_tokens:
+            raise ConfkvError(f"max_tokens is {sampling['max_tokens']}", param="max_tokens")
+        text = self.tokenizer.decode(ids)
         if text.startswith("bad"):
             raise ConfkvError("prompt is bad")
         self.reqs[rid] = {"todo": list(self.tokenizer("ok!")["input_ids"]), "done": [], "text": text}
+        return SimpleNamespace(prompt_token_ids=ids, params=SamplingParams(**sampling))
 
     def has_unfinished_requests(self) -> bool:
         self.unfinished_calls += 1
@@ -208,7 +216,7 @@ def test_rejected_requests_raise_before_streaming(thread):
         req = GenerateRequest("t", {"max_tokens": 1000}, prompt="fine")
         await asyncio.wrap_future(et.submit(req, asyncio.get_running_loop()).accepted)
 
-    with pytest.raises(RequestRejected) as err:
+    with pytest.raises(ConfkvError) as err:
         asyncio.run(too_many())
     assert err.value.param == "max_tokens"
 

@@ -68,6 +68,17 @@ def test_api_key_is_required_on_v1_only(server):
     assert out.model == "tiny"
 
 
+def test_the_key_is_checked_before_the_body_is_read(server):
+    """Without the key nothing about the body is answered: not its JSON, its depth, its encoding or its size."""
+    bodies = [b'{"model": "tiny", "messages": [', b"[" * 5000, b'{"prompt": "\xff"}', b"x" * (5 * 2**20)]
+    for path, method in (("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/cache_policy", "PUT")):
+        for raw in bodies:
+            status, doc = server.request(method, path, raw=raw)
+            assert status == 401 and doc["error"]["code"] == "invalid_api_key", (path, raw[:20], doc)
+    status, doc = server.request("POST", "/v1/chat/completions", raw=bodies[0], headers=AUTH)
+    assert status == 400 and doc["error"]["code"] == "invalid_json", doc
+
+
 def test_policy_file_is_watched_and_reloaded(server, policy_file):
     start = policy(server)
     assert start["source"] == f"file:{policy_file}" and start["policy"]["max_size"] == 256

@@ -11,7 +11,7 @@ from confkv.bench.passkey import passkey_item
 
 from .conftest import hf_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # test_passkey_recall: 431 s on 2 shared CPU cores
 
 CHAT = [
     "What is the capital of France?",

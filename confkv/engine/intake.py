@@ -100,6 +100,7 @@ class Intake:
         if isinstance(params, SamplingParams):
             if limits.max_tokens is not None and params.max_tokens > limits.max_tokens:
                 raise self._too_many_tokens(params.max_tokens, limits.max_tokens)
+            self._check_vocabulary(params)
             return params
         kwargs = dict(params or {})
         if kwargs.get("max_tokens") is None:
@@ -109,7 +110,18 @@ class Intake:
                 kwargs.pop("max_tokens", None)
         elif limits.max_tokens is not None and kwargs["max_tokens"] > limits.max_tokens:
             raise self._too_many_tokens(kwargs["max_tokens"], limits.max_tokens)
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
+        self._check_vocabulary(params)
+        return params
+
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """``top_k`` at most the vocabulary, and every stop token id one of the model's."""
+        if params.top_k > self.vocab_size:
+            raise ConfkvError(f"top_k is {params.top_k}; this model has {self.vocab_size} tokens", param="top_k")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfkvError(f"stop_token_ids: {bad[0]} is not a token id of this model (they lie in [0, "
+                              f"{self.vocab_size}))", param="stop_token_ids")  # fmt: skip
 
     @staticmethod
     def _too_many_tokens(asked: int, limit: int) -> ConfkvError:

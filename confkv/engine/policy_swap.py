@@ -62,7 +62,7 @@ class PolicySwitch:
     def build(self, policy: CachePolicy) -> Controller:
         """The controller of a policy that may replace this one (``ConfkvError`` when it cannot)."""
         if policy.block_size != self.policy.block_size:
-            raise ConfkvError("a new policy cannot change block_size while the engine runs")
+            raise ConfkvError("a new policy cannot change block_size while the engine runs", param="block_size")
         return make_controller(policy)
 
     def request(self, policy: CachePolicy, info: Info) -> None:

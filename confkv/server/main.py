@@ -26,10 +26,12 @@ import uvicorn
 from confkv.config import CachePolicy, make_engine_config
 from confkv.errors import ConfkvError
 from confkv.policy_source import PolicyChoice, PolicyFollower, choose_policy
-from confkv.server.app import ServerState, create_app
+from confkv.server.app import create_app
 from confkv.server.engine_thread import EngineThread, idle_wake_s
+from confkv.server.http11 import protocol_for
 from confkv.server.metrics import ServerMetrics
 from confkv.server.settings import ServerSettings, settings_from_args
+from confkv.server.state import ServerState
 
 if TYPE_CHECKING:
     from confkv.engine.engine import LLMEngine
@@ -217,6 +219,7 @@ def serve(args: argparse.Namespace) -> int:
         access_log=getattr(args, "access_log", False),
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
+        http=protocol_for(state),  # h11 with a deadline on request heads and the parser's errors in OpenAI's body
     )
     server = DrainingServer(uv_config, state)
     server.run()

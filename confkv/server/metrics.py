@@ -46,6 +46,7 @@ ERROR_KINDS: tuple[str, ...] = (
     "not_found",
     "conflict",
     "too_large",
+    "timeout",
     "unavailable",
     "engine",
     "internal",

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator
 
-from confkv.config import CachePolicy, format_validation_error
+from confkv.config import MAX_TOKENS, CachePolicy, format_validation_error
 from confkv.sessions.store import SESSION_ID_RE
 
 SInt = Annotated[int, Field(strict=True)]
@@ -33,7 +33,12 @@ SStr = Annotated[str, Field(strict=True)]
 
 #: OpenAI allows 4 stop strings; vLLM more. A bound keeps the per-token hold-back check cheap.
 MAX_STOP_STRINGS = 16
+#: vLLM has no bound on ``stop_token_ids``; one keeps the per-token stop check cheap, far above any real use.
+MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+#: A count of tokens (``max_tokens``, ``top_k``) or a token id: at most ``MAX_TOKENS``; the server's limits and the
+#: model's vocabulary bound them further once the request is admitted.
+Tokens = Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS)]
 
 
 def new_id(prefix: str) -> str:
@@ -91,13 +96,15 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: SStr
-    max_tokens: Annotated[int | None, Field(strict=True, ge=1)] = None
+    max_tokens: Tokens | None = None
     temperature: Annotated[float | None, Field(strict=True, ge=0, le=2)] = None
     top_p: Annotated[float | None, Field(strict=True, gt=0, le=1)] = None
-    top_k: Annotated[int | None, Field(strict=True, ge=-1)] = None
+    top_k: Annotated[int | None, Field(strict=True, ge=-1, le=MAX_TOKENS)] = None
     seed: SInt | None = None
     stop: SStr | list[SStr] | None = None
-    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
+    stop_token_ids: Annotated[
+        list[Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)]] | None, Field(max_length=MAX_STOP_TOKEN_IDS)
+    ] = None
     ignore_eos: SBool = False
     n: Annotated[int, Field(strict=True, ge=1)] = 1
     stream: SBool = False
@@ -244,7 +251,7 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: the whole message list goes through the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int | None, Field(strict=True, ge=1)] = None
+    max_completion_tokens: Tokens | None = None
     logprobs: SBool = False
     top_logprobs: Annotated[int | None, Field(strict=True, ge=0, le=MAX_LOGPROBS)] = None
     tools: list[Any] | None = None

@@ -31,6 +31,11 @@ class ServerSettings(BaseModel):
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: how long running requests may finish")
     policy_poll_s: float = Field(2.0, gt=0, description="how often --policy-file / the registry are checked")
     health_stale_s: float = Field(60.0, gt=0, description="a step running longer than this makes /health 503")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request head not complete by then gets 408")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body not complete by then gets 408")
+    allowed_policy_dirs: tuple[str, ...] = Field(
+        (), description="folders a learned policy may be loaded from over the API (none: only the served one)"
+    )
     # Sessions (``confkv.sessions.tiers``). ``session_store`` None means the default folder under the cache
     # (``confkv.sessions.store.default_url``), resolved at start-up; "none" keeps sessions in memory only.
     session_store: str | None = Field(None, min_length=1, description="object store URL for session records")
@@ -66,6 +71,29 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: the context)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM lets running requests finish")
     p.add_argument("--policy-poll-interval", type=float, default=2.0, help="seconds between policy source checks")
+    p.add_argument(
+        "--header-timeout-s",
+        metavar="S",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's head (line and headers); then 408 and the connection closes",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        metavar="S",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's body once its head is in; then 408",
+    )
+    p.add_argument(
+        "--allowed-policy-dir",
+        metavar="DIR",
+        action="append",
+        default=[],
+        dest="allowed_policy_dirs",
+        help="a folder (and those under it) that PUT /v1/cache_policy may load a learned policy from; repeatable "
+        "(default: none, so the API loads no learned policy folder but the one served)",
+    )
     p.add_argument(
         "--session-store",
         default=None,
@@ -131,6 +159,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             max_tokens_limit=args.max_tokens_limit,
             shutdown_grace_s=args.shutdown_grace,
             policy_poll_s=args.policy_poll_interval,
+            header_timeout_s=args.header_timeout_s,
+            body_timeout_s=args.body_timeout_s,
+            allowed_policy_dirs=tuple(args.allowed_policy_dirs or ()),
             session_store=args.session_store,
             session_idle_s=args.session_idle_s,
             session_offload_s=args.session_offload_s,
