@@ -58,7 +58,9 @@ FAST_TIERS = ("--session-idle-s", "0.1", "--session-offload-s", "0.2")
 #: every session sample the server exports (docs/server.md, docs/sessions.md and deploy/ name them)
 SESSION_SAMPLES = {
     "confkv:session_hits_total", "confkv:session_misses_total", "confkv:session_mismatches_total",
-    "confkv:session_tokens_reused_total", "confkv:session_offloads_total", "confkv:session_store_faults_total",
+    "confkv:session_tokens_reused_total", "confkv:session_offloads_total", "confkv:session_offload_attempts_total",
+    "confkv:session_offload_failures_total", "confkv:session_store_tokens_repaired_total",
+    "confkv:session_store_faults_total",
     "confkv:sessions", "confkv:session_bytes", "confkv:session_store_written_bytes_total",
     "confkv:session_store_reachable", "confkv:session_restore_seconds_count", "confkv:session_restore_seconds_bucket",
 }  # fmt: skip

@@ -71,7 +71,19 @@ SESSION_COUNTERS: dict[str, tuple[str, str]] = {
         "Session requests whose prompt did not extend the kept history (only the common prefix was reused).",
     ),
     "confkv:session_tokens_reused": ("session_tokens_reused", "Prompt tokens whose KV came from a session."),
-    "confkv:session_offloads": ("session_offloads", "Sessions written to the object store and freed from memory."),
+    "confkv:session_offloads": (
+        "session_offloads",
+        "Sessions the object store confirmed written (and freed from memory); attempts and failures are apart.",
+    ),
+    "confkv:session_offload_attempts": ("session_offload_attempts", "Sessions handed to the object-store writer."),
+    "confkv:session_offload_failures": (
+        "session_offload_failures",
+        "Session writes the object store did not take (the session then lives only in what its next request sends).",
+    ),
+    "confkv:session_store_tokens_repaired": (
+        "session_tokens_repaired",
+        "Damaged tokens objects found beside a sound record and written again from it (also counted as corrupt).",
+    ),
 }
 
 #: gauges read from ``engine.stats()``: metric name -> (stats key, help)
