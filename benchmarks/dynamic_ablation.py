@@ -8,7 +8,7 @@ baselines re-matched to that variant's own mean resident memory, workload by wor
 
 Teacher-forced workloads (prose, long generation, chat) report the mean KL to the full cache per token; retrieval
 (``--retrieval``: pass-key, multi-key) reports accuracy. For every (variant, workload) the baselines get the budget
-whose predicted mean resident memory equals the variant's measured one (``confkv.bench.suite.matched_budget``), so
+whose predicted mean resident memory equals the variant's measured one (``confkv.bench.memory.matched_budget``), so
 the table reads "at this memory, who loses less". The full-cache references are cached under ``$CONFKV_CACHE``.
 A ``--policy-file`` variant gets baselines that take the file's other keys, as ``confkv bench`` matches them.
 Multi-key retrieval may run more items than the suite's four (``--items``), since one answer is 25% there.
@@ -26,13 +26,9 @@ from typing import Any
 
 from common import shrunk_spec, split_arg
 
-from confkv.bench.suite import (
-    Evaluator,
-    baseline_policy,
-    matched_budget,
-    scaled_dynamic,
-    suite_spec,
-)
+from confkv.bench.evaluator import Evaluator
+from confkv.bench.memory import matched_budget
+from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
 from confkv.config import CachePolicy, load_policy_file
 
 #: Each variant: policy keys changed from the requirement's dynamic defaults scaled to the suite.

@@ -330,7 +330,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_throughput(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from confkv.bench.throughput import TINY_THROUGHPUT, ThroughputSpec, run_throughput, write_throughput_report
+    from confkv.bench.throughput import TINY_THROUGHPUT, ThroughputSpec, run_throughput
+    from confkv.bench.throughput_report import write_throughput_report
 
     policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]
     scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())

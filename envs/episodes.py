@@ -128,7 +128,7 @@ def scaled_sizes(model: str, scale: int = 1) -> dict[str, dict[str, Any]]:
 
 def default_base_policy(model: str) -> CachePolicy:
     """The requirement's dynamic defaults, sized for the episodes' lengths (an eighth; a thirty-second on tiny)."""
-    from confkv.bench.suite import scaled_dynamic
+    from confkv.bench.specs import scaled_dynamic
 
     return scaled_dynamic(1 / 32 if model == "tiny-random" else 0.125)
 

@@ -234,7 +234,7 @@ def resolve_policy_arg(
             return base
         if spec == "full":
             return base.replace(controller="full")
-        from confkv.bench.suite import baseline_policy
+        from confkv.bench.specs import baseline_policy
 
         return baseline_policy(base, spec)
     path = Path(spec)

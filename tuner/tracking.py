@@ -38,7 +38,7 @@ def _quiet() -> None:
 @functools.cache
 def git_commit() -> dict[str, str]:
     """The commit the running code comes from, and whether tracked files differ from it ({} outside a checkout)."""
-    from confkv.bench.suite import git_commit as head_commit
+    from confkv.bench.provenance import git_commit as head_commit
 
     root = Path(__file__).resolve().parents[1]
     commit = head_commit(short=False, cwd=root)
