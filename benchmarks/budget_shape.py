@@ -49,6 +49,7 @@ from confkv.bench.memory import Usage, matched_budget
 from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
 from confkv.config import CachePolicy, load_policy_file
 from confkv.controllers import BudgetState, DynamicController, StepSignals
+from confkv.progress import bars
 from confkv.scoring import ScoreItem, Scorer
 
 _UNSURE = {"entropy": math.inf, "gap": 0.0, "top1_prob": 0.0}
@@ -166,7 +167,7 @@ def main() -> None:
         p.error(f"--workloads takes the teacher-forced workloads ({', '.join(TEACHER_FORCED)}), not {unknown}")
     spec = shrunk_spec(suite_spec(args.model, "standard"), args.items, TEACHER_FORCED)
     t0 = time.perf_counter()
-    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
+    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=bars())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     base = load_policy_file(args.policy_file) if args.policy_file else scaled_dynamic(spec.scale)
     budgets = [int(b) for b in args.budgets.split(",") if b]

@@ -30,6 +30,7 @@ from confkv.bench.evaluator import Evaluator
 from confkv.bench.memory import matched_budget
 from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
 from confkv.config import CachePolicy, load_policy_file
+from confkv.progress import bars
 
 #: Each variant: policy keys changed from the requirement's dynamic defaults scaled to the suite.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -81,7 +82,7 @@ def main() -> None:
     spec = shrunk_spec(suite_spec(args.model, args.suite), args.items, TEACHER_FORCED)
     spec = dataclasses.replace(spec, multikey={**spec.multikey, "n": args.items})
     t0 = time.perf_counter()
-    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
+    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=bars())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     base = scaled_dynamic(spec.scale)
     workloads = [w for w in args.workloads.split(",") if w]

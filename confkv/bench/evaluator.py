@@ -100,7 +100,7 @@ class Evaluator:
             triples = [(list(it.prompt_ids), it.max_tokens, it.score_from if name == "prose" else None) for it in items]
             if name == "prose":
                 triples = [(p, 0, max(1, s or 1)) for p, _, s in triples]
-            refs[name] = build_references(full, triples, store, use_tqdm=progress)
+            refs[name] = build_references(full, triples, store, use_tqdm=progress, label=f"references: {name}")
         return cls(loaded, model, spec, wl, refs, engine, progress)
 
     def llm(self, policy: CachePolicy, **engine: Any) -> LLM:

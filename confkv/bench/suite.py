@@ -57,6 +57,7 @@ from confkv.bench.tables import equal_memory_comparisons
 from confkv.bench.textmetrics import bleu4, rouge_l
 from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
 from confkv.errors import ConfkvError
+from confkv.progress import Stage, stage
 
 
 @dataclass
@@ -80,14 +81,31 @@ def measure_policy(
 ) -> PolicyRun:
     """Every measure of one policy: ``policies`` gives the policy of each measure (a baseline's budget differs per
     measure), ``overall`` the one recorded in the entry and used for the batch. ``full_gen`` is full's own long
-    generation: the reference for BLEU/ROUGE, and full's measure when the policy is full."""
+    generation: the reference for BLEU/ROUGE, and full's measure when the policy is full. The measures are a
+    progress stage (``confkv.progress``) named after the policy."""
+    steps = len(MEASURES) + (1 if ev.spec.batch else 0)
+    with stage(f"policy {label}".strip(), total=steps, unit="measures") as progress:
+        return _measure(ev, policies, overall, full_gen, log, label, progress)
+
+
+def _measure(
+    ev: Evaluator,
+    policies: Mapping[str, CachePolicy],
+    overall: CachePolicy,
+    full_gen: tuple[dict[str, Any], Usage],
+    log: Callable[[str], None],
+    label: str,
+    progress: Stage,
+) -> PolicyRun:
     work: dict[str, dict[str, Any]] = {}
     usages: dict[str, Usage] = {}
     entry: dict[str, Any] = {"policy": overall.model_dump(mode="json")}
     kl = tokens = 0.0
     for name in TEACHER_FORCED:
+        progress.set_note(name)
         t0 = time.perf_counter()
         metrics, usages[name] = ev.score_workload(policies[name], name)
+        progress.update(1)
         kl += metrics.pop("kl_sum")
         tokens += metrics.pop("tokens")
         work[name] = {**metrics, "seconds": time.perf_counter() - t0}
@@ -98,20 +116,24 @@ def measure_policy(
     entry["kl_mean"] = kl / tokens if tokens else None
     grid: list[dict[str, Any]] = []
     for name in RETRIEVAL:
+        progress.set_note(name)
         t0 = time.perf_counter()
         metrics, usages[name] = ev.retrieve(policies[name], name)
+        progress.update(1)
         grid = metrics.pop("grid", grid)
         metrics.pop("kv_fraction_engine")
         work[name] = {**metrics, "seconds": time.perf_counter() - t0}
         entry[f"{name}_acc"] = metrics["acc"]
         entry[f"{name}_kv_fraction"] = usages[name].fraction_mean
     free_policy = policies[FREE_GENERATION]
+    progress.set_note("free long generation")
     if free_policy.controller == "full":  # full's own generation is the reference: measured once, before any policy
         gen, usages[FREE_GENERATION] = dict(full_gen[0]), full_gen[1]
         texts = gen["texts"]
         gen.update(bleu4_vs_full=bleu4(texts, texts), rougeL_vs_full=rouge_l(texts, texts))
     else:
         gen, usages[FREE_GENERATION] = ev.generate_long(free_policy, full_gen[0]["texts"])
+    progress.update(1)
     trace = gen.pop("trace")
     gen.pop("texts")
     work[FREE_GENERATION] = {k: gen.get(k) for k in ("bleu4_vs_full", "rougeL_vs_full", "tokens_per_s")}
@@ -119,7 +141,9 @@ def measure_policy(
     entry.update(gen)
     t0 = time.perf_counter()
     if ev.spec.batch:
+        progress.set_note("batch throughput")
         entry.update(ev.batch_throughput(overall))
+        progress.update(1)
     else:
         entry.update(requests_per_s=None, batch_pool_blocks=None, batch_preemptions=None)
     batch_seconds = time.perf_counter() - t0
@@ -208,39 +232,41 @@ def run_suite(
     est = estimate_seconds(spec, len(plan))
     if model != "tiny-random":
         log(f"estimated run time on a 2-core CPU: {est['low'] / 60:.0f}-{est['high'] / 60:.0f} min")
-    t_start = time.perf_counter()
-    ev = Evaluator.prepare(model, spec, device=device, dtype=dtype, cache_dir=cache_dir,
-                           kv_cache_memory=kv_cache_memory, seed=seed, split=split, progress=progress)  # fmt: skip
-    t_refs = time.perf_counter() - t_start
-    log(f"references ready ({t_refs:.0f}s)")
-    full_gen = ev.generate_long(CachePolicy(controller="full"), None)
-    runs: dict[str, PolicyRun] = {}
-    budgets: dict[str, dict[str, int]] = {}
-    for planned in plan:
-        policy, per_measure = planned.policy, None
-        if planned.matched_to is not None:
-            variant = runs[planned.matched_to]
-            vpolicy = next(p.policy for p in plan if p.name == planned.matched_to)
-            if planned.matched_to not in budgets:
-                all_usages = list(variant.usages.values())
-                budgets[planned.matched_to] = {
-                    m: matched_budget([variant.usages[m]], variant.usages[m].resident, vpolicy) for m in MEASURES
-                } | {"overall": matched_budget(all_usages, sum(u.resident for u in all_usages), vpolicy)}
-                log(
-                    f"baselines of {planned.matched_to}, matched to its mean resident KV: {budgets[planned.matched_to]}"
-                )
-            b = budgets[planned.matched_to]
-            controller = planned.policy.controller
-            per_measure = {m: baseline_policy(vpolicy, controller, b[m]) for m in MEASURES}
-            policy = baseline_policy(vpolicy, controller, b["overall"])
-        run = measure_policy(
-            ev, per_measure or dict.fromkeys(MEASURES, policy), policy, full_gen, log=log, label=planned.name
-        )
-        run.entry["matched_to"] = planned.matched_to
-        run.entry["budgets"] = {m: budgets[planned.matched_to][m] for m in MEASURES} if per_measure else None
-        for m in MEASURES:
-            run.entry["workloads"][m]["budget_tokens"] = run.entry["budgets"][m] if per_measure else None
-        runs[planned.name] = run
+    expected = est["high"] if model == "smollm2-135m" else None  # the estimate holds for smollm2 on 2 CPU cores
+    with stage(f"bench {suite} on {model}", total=len(plan), unit="policies", expected_s=expected) as bench:
+        t_start = time.perf_counter()
+        ev = Evaluator.prepare(model, spec, device=device, dtype=dtype, cache_dir=cache_dir,
+                               kv_cache_memory=kv_cache_memory, seed=seed, split=split, progress=progress)  # fmt: skip
+        t_refs = time.perf_counter() - t_start
+        log(f"references ready ({t_refs:.0f}s)")
+        full_gen = ev.generate_long(CachePolicy(controller="full"), None)
+        runs: dict[str, PolicyRun] = {}
+        budgets: dict[str, dict[str, int]] = {}
+        for planned in plan:
+            policy, per_measure = planned.policy, None
+            if planned.matched_to is not None:
+                variant = runs[planned.matched_to]
+                vpolicy = next(p.policy for p in plan if p.name == planned.matched_to)
+                if planned.matched_to not in budgets:
+                    all_usages = list(variant.usages.values())
+                    budgets[planned.matched_to] = {
+                        m: matched_budget([variant.usages[m]], variant.usages[m].resident, vpolicy) for m in MEASURES
+                    } | {"overall": matched_budget(all_usages, sum(u.resident for u in all_usages), vpolicy)}
+                    matched = budgets[planned.matched_to]
+                    log(f"baselines of {planned.matched_to}, matched to its mean resident KV: {matched}")
+                b = budgets[planned.matched_to]
+                controller = planned.policy.controller
+                per_measure = {m: baseline_policy(vpolicy, controller, b[m]) for m in MEASURES}
+                policy = baseline_policy(vpolicy, controller, b["overall"])
+            run = measure_policy(
+                ev, per_measure or dict.fromkeys(MEASURES, policy), policy, full_gen, log=log, label=planned.name
+            )
+            run.entry["matched_to"] = planned.matched_to
+            run.entry["budgets"] = {m: budgets[planned.matched_to][m] for m in MEASURES} if per_measure else None
+            for m in MEASURES:
+                run.entry["workloads"][m]["budget_tokens"] = run.entry["budgets"][m] if per_measure else None
+            runs[planned.name] = run
+            bench.update(1)
     results: dict[str, Any] = {name: run.entry for name, run in runs.items()}
     full_rps = results.get("full", {}).get("requests_per_s")
     for entry in results.values():

@@ -40,6 +40,7 @@ from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
 from confkv.kv.pool import BlockPool
 from confkv.model_loader import LoadedModel, load_model
+from confkv.progress import stage
 
 TASKS = (
     "Summarise the excerpt above in a few sentences.",
@@ -336,40 +337,46 @@ def run_throughput(
         "policy_settings": {name: p.model_dump(mode="json") for name, p in chosen},
     }
     traces: dict[str, dict[str, list]] = {}
-    for scenario in scenarios:
-        requests = base if scenario == "burst" else with_poisson_arrivals(base, spec.arrival_rate, seed)
-        results: dict[str, StreamResult] = {}
-        for name, policy in chosen:
-            t0 = time.perf_counter()
-            llm = LLM(model, policy, loaded=loaded, kv_cache_memory=pool_bytes, max_batch_size=spec.max_batch_size,
-                      max_num_batched_tokens=spec.max_num_batched_tokens, seed=seed)  # fmt: skip
-            results[name] = run_engine_stream(llm, requests)
-            m = results[name].metrics
-            log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
-                f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s "
-                f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
-        reference = results[next(n for n, p in chosen if p.controller == "full")]
-        full_rps = reference.metrics["requests_per_s"]
-        section: dict[str, Any] = {"policies": {}}
-        for name, result in results.items():
-            section["policies"][name] = {
-                **result.metrics,
-                **_quality(result, reference),
-                "requests_per_s_vs_full": result.metrics["requests_per_s"] / full_rps,
-            }
-        if hf:
-            t0 = time.perf_counter()
-            hf_loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
-            static = run_hf_static(hf_loaded, requests, spec.full_fits)
-            section["hf_static"] = {**static.metrics, **_quality(static, reference)}
-            results["hf_static"] = static
-            log(f"{scenario} hf_static: {static.metrics['requests_per_s']:.3f} req/s "
-                f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
-        if scenario == "burst":
-            out.update(section)
-        else:
-            out[scenario] = {"arrival_rate": spec.arrival_rate, **section}
-        traces[scenario] = {name: r.running for name, r in results.items()}
+    runs = len(scenarios) * (len(chosen) + (1 if hf else 0))
+    with stage(f"throughput on {model}", total=runs, unit="runs") as progress:
+        for scenario in scenarios:
+            requests = base if scenario == "burst" else with_poisson_arrivals(base, spec.arrival_rate, seed)
+            results: dict[str, StreamResult] = {}
+            for name, policy in chosen:
+                t0 = time.perf_counter()
+                llm = LLM(model, policy, loaded=loaded, kv_cache_memory=pool_bytes, max_batch_size=spec.max_batch_size,
+                          max_num_batched_tokens=spec.max_num_batched_tokens, seed=seed)  # fmt: skip
+                progress.set_note(f"{scenario} {name}")
+                results[name] = run_engine_stream(llm, requests)
+                progress.update(1)
+                m = results[name].metrics
+                log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
+                    f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s "
+                    f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
+            reference = results[next(n for n, p in chosen if p.controller == "full")]
+            full_rps = reference.metrics["requests_per_s"]
+            section: dict[str, Any] = {"policies": {}}
+            for name, result in results.items():
+                section["policies"][name] = {
+                    **result.metrics,
+                    **_quality(result, reference),
+                    "requests_per_s_vs_full": result.metrics["requests_per_s"] / full_rps,
+                }
+            if hf:
+                t0 = time.perf_counter()
+                hf_loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
+                progress.set_note(f"{scenario} hf_static")
+                static = run_hf_static(hf_loaded, requests, spec.full_fits)
+                progress.update(1)
+                section["hf_static"] = {**static.metrics, **_quality(static, reference)}
+                results["hf_static"] = static
+                log(f"{scenario} hf_static: {static.metrics['requests_per_s']:.3f} req/s "
+                    f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
+            if scenario == "burst":
+                out.update(section)
+            else:
+                out[scenario] = {"arrival_rate": spec.arrival_rate, **section}
+            traces[scenario] = {name: r.running for name, r in results.items()}
     out["running_trace"] = traces
     out["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)
     return out
