@@ -19,6 +19,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from confkv.bench.labels import MARKERS, dodge, place_labels, shifted
 from confkv.bench.tables import finite, policy_order
 
 PLOT_FILES: dict[str, str] = {
@@ -65,22 +66,38 @@ def _no_data(ax: Axes, text: str = "not measured") -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
 
 
+def _markers(names: Iterable[str]) -> dict[str, tuple[str, float]]:
+    """One shape per policy, the same in every plot."""
+    return {n: (MARKERS[i % len(MARKERS)], 90.0) for i, n in enumerate(names)}
+
+
+#: The two panels of the memory/quality plane: the quality key, its scale, the y label, the title, the measure whose
+#: resident KV places a policy on x, and how the x axis says so.
+_PLANE_PANELS = (
+    ("ppl_delta_rel", 100.0, "Δ perplexity vs full (%)\nlower is better", "(a) perplexity on prose", "prose",
+     "KV resident while scoring the prose items\n(fraction of the full cache)"),
+    ("passkey_acc", 1.0, "pass-key accuracy\nhigher is better", "(b) pass-key retrieval", "passkey",
+     "KV resident while answering the pass-key prompts\n(fraction of the full cache)"),
+)  # fmt: skip
+
+
 def plot_memory_quality(results: dict[str, Any], path: Path) -> Path | None:
-    """Where each policy sits between memory and quality: the trade-off the whole project is about."""
+    """Where each policy sits between memory and quality: the trade-off the whole project is about.
+
+    Each panel places a policy at the memory it kept on that panel's own items (prose, pass-key prompts): a policy
+    keeps more on some workloads than on others, and the baselines are matched to a variant workload by workload,
+    so one suite-wide number would put them where they never were. The x labels say which memory each panel shows.
+    """
     policies = results.get("policies") or {}
     names = policy_order(results)
     colors = _colors(names)
-    panels = (
-        ("ppl_delta_rel", 100.0, "Δ perplexity vs full (%)\nlower is better", "(a) perplexity"),
-        ("passkey_acc", 1.0, "pass-key accuracy\nhigher is better", "(b) pass-key retrieval"),
-    )
-    measure_of = {"ppl_delta_rel": "prose", "passkey_acc": "passkey"}  # each panel at its own workload's memory
+    shapes = _markers(names)
     points: list[list[tuple[str, float, float]]] = []
-    for key, scale, _, _ in panels:
+    for key, scale, _, _, measure, _ in _PLANE_PANELS:
         pts = []
         for name in names:
             entry = policies[name] or {}
-            own = ((entry.get("workloads") or {}).get(measure_of[key]) or {}).get("kv_fraction_mean")
+            own = ((entry.get("workloads") or {}).get(measure) or {}).get("kv_fraction_mean")
             x = finite(own if own is not None else entry.get("kv_fraction_mean"))
             if x is None and name == "full":
                 x = 1.0
@@ -92,17 +109,23 @@ def plot_memory_quality(results: dict[str, Any], path: Path) -> Path | None:
         return None
 
     fig: Figure
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
-    for ax, (key, _, ylabel, sub), pts in zip(axes, panels, points, strict=True):
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6), layout="constrained")
+    handles: dict[str, Any] = {}
+    for ax, (key, _, ylabel, sub, _, xlabel), pts in zip(axes, _PLANE_PANELS, points, strict=True):
         ax.set_title(sub)
-        ax.set_xlabel("KV resident (fraction of full cache)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_xlim(0, 1.1)
         ax.grid(True, alpha=0.3)
         if key == "ppl_delta_rel":
             ax.axhline(0, color="0.5", lw=0.8)
+            ys = [y for _, _, y in pts]
+            if ys:
+                lo, hi = min(0.0, *ys), max(0.0, *ys)
+                pad = 0.15 * (hi - lo or 1.0)
+                ax.set_ylim(lo - pad, hi + pad)
         else:
-            ax.set_ylim(-0.05, 1.1)
+            ax.set_ylim(-0.12, 1.12)
         absent = [n for n in names if n not in {p[0] for p in pts}]
         if absent:
             note = "not measured: " + ", ".join(absent)
@@ -110,18 +133,47 @@ def plot_memory_quality(results: dict[str, Any], path: Path) -> Path | None:
         if not pts:
             _no_data(ax)
             continue
-        for name, x, y in pts:
-            ax.scatter([x], [y], s=70, color=colors[name], label=name, zorder=3, edgecolor="black", linewidth=0.5)
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9)
-        ax.legend(loc="best", fontsize=9)
-    fig.suptitle(_title(results, "Memory vs quality"))
+        xy = [(x, y) for _, x, y in pts]
+        offsets = dodge(ax, xy)
+        for (name, x, y), dx in zip(pts, offsets, strict=True):
+            marker, size = shapes[name]
+            handles[name] = ax.scatter([x], [y], s=size, marker=marker, color=colors[name], label=name, zorder=3,
+                                       edgecolor="black", linewidth=0.6, transform=shifted(ax, dx))  # fmt: skip
+        place_labels(ax, xy, [n for n, _, _ in pts], colors=[colors[n] for n, _, _ in pts], offsets=offsets)
+    fig.legend([handles[n] for n in names if n in handles], [n for n in names if n in handles],
+               loc="outside right center", title="policy", fontsize=9)  # fmt: skip
+    fig.suptitle(_title(results, "Memory vs quality") + "\nx: the memory a policy kept on that panel's own items; "
+                 "markers on one spot are spread a few pixels sideways", fontsize=11)  # fmt: skip
     fig.savefig(path, dpi=_DPI)
     plt.close(fig)
     return path
 
 
+def _same_traces(names: list[str], traces: dict[str, Any]) -> list[list[str]]:
+    """Policies whose resident KV traces are identical, grouped (first seen first): fixed baselines at one budget
+    hold the same number of keys at every step, and drawn one by one the last line would hide the others."""
+    groups: list[list[str]] = []
+    seen: list[np.ndarray] = []
+    for name in names:
+        values = _series(traces[name].get("resident"))
+        for group, ref in zip(groups, seen, strict=True):
+            if ref.shape == values.shape and np.array_equal(ref, values, equal_nan=True):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+            seen.append(values)
+    return groups
+
+
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+
+
 def plot_kv_trace(results: dict[str, Any], path: Path) -> Path | None:
-    """How the resident KV moves token by token: shows the dynamic budget reacting to the confidence signals below."""
+    """How the resident KV moves token by token: shows the dynamic budget reacting to the confidence signals below.
+
+    Policies with identical traces are drawn once, labelled with all their names; the others get their own line
+    style, so every policy listed is visible."""
     traces = {k: v for k, v in (results.get("long_trace") or {}).items() if v and v.get("resident")}
     if not traces:
         return None
@@ -133,31 +185,36 @@ def plot_kv_trace(results: dict[str, Any], path: Path) -> Path | None:
 
     fig: Figure
     fig, (top, low) = plt.subplots(
-        2, 1, figsize=(12, 8), sharex=True, gridspec_kw={"height_ratios": [2, 1]}, constrained_layout=True
+        2, 1, figsize=(13, 8), sharex=True, gridspec_kw={"height_ratios": [2, 1]}, layout="constrained"
     )
     if "full" not in traces:  # without a full run, still show what a full cache would hold
         full_tokens = _series((traces[dyn] if dyn else next(iter(traces.values()))).get("full_tokens"))
         if full_tokens.size:
             x = np.arange(1, full_tokens.size + 1)
             top.plot(x, full_tokens, color="0.5", ls=":", lw=1.2, label="all tokens (full cache)")
-    for name in names:
-        resident = _series(traces[name].get("resident"))
+    for i, group in enumerate(_same_traces(names, traces)):
+        lead = group[0]
+        resident = _series(traces[lead].get("resident"))
         x = np.arange(1, resident.size + 1)
-        top.plot(x, resident, color=colors[name], lw=1.8 if name == dyn else 1.3, label=f"{name} resident")
+        label = f"{lead} resident" if len(group) == 1 else f"{', '.join(group)} resident (identical)"
+        wide = dyn in group
+        top.plot(x, resident, color=colors[lead], ls=_LINESTYLES[i % len(_LINESTYLES)], lw=2.2 if wide else 1.6,
+                 label=label)  # fmt: skip
     if dyn is not None:
         tr = traces[dyn]
         budget = _series(tr.get("budget"))
         if budget.size:
-            top.plot(np.arange(1, budget.size + 1), budget, color=colors[dyn], ls="--", lw=1.2, label=f"{dyn} budget")
+            top.plot(np.arange(1, budget.size + 1), budget, color=colors[dyn], ls=(0, (1, 1)), lw=1.4,
+                     label=f"{dyn} budget")  # fmt: skip
         expanded = np.array([bool(e) for e in (tr.get("expanded") or [])], dtype=bool)
         if expanded.any():  # a rug along the bottom: dense expansions would bury the lines as markers
             rug = top.get_xaxis_transform()
             x = np.flatnonzero(expanded) + 1
-            top.vlines(x, 0, 0.035, transform=rug, color="crimson", lw=0.8, label=f"{dyn} expansion")
+            top.vlines(x, 0, 0.035, transform=rug, color="crimson", lw=0.8, label=f"{dyn} expansion (step)")
     top.set_ylabel("KV tokens resident")
     top.set_ylim(bottom=0)
     top.grid(True, alpha=0.3)
-    top.legend(loc="upper left", fontsize=9)
+    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, borderaxespad=0)
     top.set_title("Resident KV on one long generation")
 
     if dyn is None or not (traces[dyn].get("entropy") or traces[dyn].get("gap")):
@@ -169,7 +226,7 @@ def plot_kv_trace(results: dict[str, Any], path: Path) -> Path | None:
         handles = []
         entropy = _series(tr.get("entropy"))
         if entropy.size:
-            handles += low.plot(np.arange(1, entropy.size + 1), entropy, color="tab:purple", lw=0.8, label="entropy")
+            handles += low.plot(np.arange(1, entropy.size + 1), entropy, color="tab:purple", lw=0.9, label="entropy")
         ent_t = finite(thresholds.get("entropy_threshold"))
         if ent_t is not None:
             handles.append(low.axhline(ent_t, color="tab:purple", ls="--", lw=1, label=f"entropy threshold {ent_t:g}"))
@@ -179,15 +236,15 @@ def plot_kv_trace(results: dict[str, Any], path: Path) -> Path | None:
         gap = _series(tr.get("gap"))
         if gap.size:
             handles += gap_ax.plot(
-                np.arange(1, gap.size + 1), gap, color="tab:green", lw=0.8, alpha=0.8, label="top-1 − top-2 gap"
+                np.arange(1, gap.size + 1), gap, color="tab:green", lw=0.9, alpha=0.8, label="top-1 − top-2 gap"
             )
         gap_t = finite(thresholds.get("gap_threshold"))
         if gap_t is not None:
             handles.append(gap_ax.axhline(gap_t, color="tab:green", ls="--", lw=1, label=f"gap threshold {gap_t:g}"))
         gap_ax.set_ylabel("probability gap", color="tab:green")
         gap_ax.set_ylim(0, 1.05)
-        low.legend(handles=handles, loc="upper right", fontsize=8, ncol=2)
-        low.set_title(f"Confidence signals of {dyn}")
+        low.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize=8, borderaxespad=0)
+        low.set_title(f"Confidence signals of {dyn} (uncertain: entropy above or gap below its threshold)")
     low.grid(True, alpha=0.3)
     low.set_xlabel("generated token")
     fig.suptitle(_title(results, "KV over time"))
