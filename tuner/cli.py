@@ -9,7 +9,8 @@
     confkv-tune policies list | policies show NAME[@VERSION|@ALIAS]
     confkv-tune promote NAME VERSION [--alias production] [--reason TEXT] [--check WORKLOAD] [--force]
     confkv-tune rollback NAME [--alias production]
-    confkv-tune export NAME@ALIAS|NAME@VERSION|RUN_ID --out PATH
+    confkv-tune export NAME@ALIAS|NAME@VERSION|RUN_ID|FOLDER --out PATH
+    confkv-tune demo --model M --policy-file OUT/policy [--summary OUT/summary.json] [--out OUT/demo.json]
 
 POLICY is a YAML policy file, an exported policy folder, a ``registry://NAME@ALIAS`` reference, a built-in policy
 name, ``default`` (the requirement's dynamic rule, sized for the episodes) or ``calibrated`` (that rule with the
@@ -32,7 +33,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from confkv.cli import package_version
 from confkv.errors import ConfkvError
+from tuner.demo import add_demo_command, cmd_demo
 from tuner.review import cmd_compare, cmd_eval, cmd_export
 from tuner.train import DEFAULT_TRIALS, cmd_train
 
@@ -67,6 +70,7 @@ def _tracking(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="confkv-tune", description="Learn and evaluate CONF-KV cache policies.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train an RL agent or run an Optuna search, tracked in MLflow")
@@ -140,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///mlflow.db)")
     train.add_argument("--out", required=True)
     train.add_argument(
+        "--resume", action="store_true",
+        help="go on with the stopped run in --out: optuna runs the trials left of --trials; ppo/sac load "
+        "OUT/<algo>_sb3.zip and train the timesteps left (the best policy so far is in OUT/policy either way)",
+    )  # fmt: skip
+    train.add_argument(
         "--register-as",
         default=None,
         metavar="NAME",
@@ -171,14 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "policy as a policy file or folder")  # fmt: skip
     ex.add_argument(
         "run",
-        metavar="NAME@ALIAS|NAME@VERSION|RUN_ID",
-        help="a registry version (anything with '@', or registry://...), else an MLflow run id",
+        metavar="NAME@ALIAS|NAME@VERSION|RUN_ID|FOLDER",
+        help="an exported policy folder or YAML file on disk, a registry version (anything with '@', or "
+        "registry://...), else an MLflow run id",
     )
-    ex.add_argument("--out", required=True, help="YAML file (rule policies) or folder")
+    ex.add_argument("--out", required=True, help="folder (holds policy.yaml; any policy) or YAML file (rule policies): "
+                    "what `confkv generate --policy-file OUT` loads")  # fmt: skip
     ex.add_argument("--tracking-uri", default=None)
     ex.add_argument("--registry-url", default=None, help="policy registry (default $CONFKV_REGISTRY_URL or the "
                     "SQLite file ~/.local/share/confkv/registry.db)")  # fmt: skip
 
+    add_demo_command(sub)
     from tuner.registry_cli import add_registry_commands
 
     add_registry_commands(sub)
@@ -215,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tuner import registry_cli as rc
 
     commands = {
-        "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare, "export": rc.wrap_exit1(cmd_export),
+        "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare, "demo": cmd_demo,
+        "export": rc.wrap_exit1(cmd_export),
         "register": rc.wrap_exit1(rc.cmd_register), "policies": rc.wrap_exit1(rc.cmd_policies),
         "promote": rc.wrap_exit1(rc.cmd_promote), "rollback": rc.wrap_exit1(rc.cmd_rollback),
     }  # fmt: skip

@@ -30,6 +30,7 @@ import optuna
 from confkv.config import CachePolicy
 from confkv.errors import ConfkvError
 from confkv.learned import KnobSpace
+from confkv.progress import Stage
 from envs.env import RewardWeights, knob_space
 from envs.episodes import TuneData
 from envs.evaluate import evaluate_policy
@@ -126,7 +127,7 @@ def search(
     weights: RewardWeights | None = None,
     seed: int = 0,
     groups: int = 2,
-    progress: bool = False,
+    progress: Stage | None = None,
     on_trial: Callable[[optuna.trial.FrozenTrial, dict[str, Any]], None] | None = None,
     scorers: Sequence[str] = (),
     seeds: Sequence[CachePolicy] = (),
@@ -134,7 +135,8 @@ def search(
 ) -> optuna.Study:
     """Run ``trials`` more trials of a (new or resumed) study; ``scorers``: several to search the scorer too;
     ``seeds``: policies tried right after the base policy in a new study; ``settings``: JSON values that define
-    the objective, recorded by a new study and required to match when one is resumed (``ConfkvError`` otherwise)."""
+    the objective, recorded by a new study and required to match when one is resumed (``ConfkvError`` otherwise);
+    ``progress``: a ``confkv.progress`` stage counting finished trials, pruned ones included."""
     weights = weights or RewardWeights()
     base = data.base_policy
     sampler = optuna.samplers.TPESampler(seed=seed)
@@ -191,7 +193,8 @@ def search(
             return metrics["kv_fraction"], metrics["kl_mean"]
         return sum(rewards) / len(rewards)
 
-    study.optimize(objective, n_trials=trials, catch=(), show_progress_bar=progress)
+    count = [lambda _study, _trial: progress.update(1)] if progress is not None else []
+    study.optimize(objective, n_trials=trials, catch=(), callbacks=count)
     return study
 
 

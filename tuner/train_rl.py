@@ -1,9 +1,15 @@
 """``confkv-tune train --algo ppo|sac``: the preset as the flags change it, a warm start from a tuned policy, and
-the training run itself (learning curves to MLflow, the chosen checkpoint exported as a learned policy)."""
+the training run itself (learning curves to MLflow, the chosen checkpoint exported as a learned policy).
+
+A run can stop and go on: every evaluation that beats the best so far exports that policy to ``OUT/policy``, and
+every evaluation (and an interrupt or an error) saves ``OUT/<algo>_sb3.zip`` (the model as it is),
+``OUT/best_policy.pt`` (the best evaluation's weights) and ``OUT/checkpoint.json`` (timesteps done, the best
+reward); ``--resume`` loads them and trains the timesteps that are left."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -11,6 +17,7 @@ from typing import Any
 
 from confkv.config import CachePolicy, load_policy_file
 from confkv.errors import ConfkvError
+from confkv.progress import stage
 from tuner.options import check_finite, resolve_policy_arg
 from tuner.plots import learning_curve
 
@@ -96,6 +103,31 @@ def warm_start(args: argparse.Namespace, data: Any, scorers: list[str]) -> dict[
     return {"init_policy": args.init_policy, **{f"init_{k}": v for k, v in knobs.items()}}
 
 
+CHECKPOINT = "checkpoint.json"
+BEST_WEIGHTS = "best_policy.pt"
+
+
+def checkpoint_of(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """What ``--resume`` continues from in ``out``: checked before the model loads, so a resume that cannot work
+    (no checkpoint, another algorithm or action, nothing left to train) fails at once."""
+    path = out / CHECKPOINT
+    model = out / f"{args.algo}_sb3.zip"
+    if not path.is_file() or not model.is_file():
+        raise ConfkvError(f"--resume: no {args.algo} checkpoint in {out} ({path.name} and {model.name}); run without "
+                          "--resume to start")  # fmt: skip
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfkvError(f"--resume: cannot read {path}: {err}") from None
+    for key in ("algo", "action", "mode"):
+        if state.get(key) != getattr(args, key):
+            raise ConfkvError(f"--resume: {out} holds a run with --{key} {state.get(key)}, not {getattr(args, key)}")
+    if state.get("timesteps", 0) >= args.timesteps:
+        raise ConfkvError(f"--resume: the run in {out} already made {state['timesteps']} of {args.timesteps} "
+                          "timesteps; raise --timesteps to train on")  # fmt: skip
+    return state
+
+
 def train_rl(
     args: argparse.Namespace, data: Any, weights: Any, out: Path, policy_dir: Path, log_metrics: Any,
     default_reward: float,
@@ -160,12 +192,44 @@ def train_rl(
         on = "validation" if judge is not data else "training"
         print(f"  exported: the policy after {updates} updates ({on} reward {reward:.3f})", file=sys.stderr)
 
-    model = train_sb3(args.algo, env, args.timesteps, preset=args.preset_obj, seed=args.seed, on_episode=on_episode,
-                      log_metrics=lambda metrics, step: log_metrics(metrics, step=step), evaluate=evaluate,
-                      on_eval=on_eval, progress=sys.stderr.isatty(), keep=args.keep, on_select=on_select)  # fmt: skip
+    def export(model: Any) -> None:
+        export_sb3(model, args.action, policy_dir, data.base_policy, {"workload": args.workload, "model": args.model},
+                   space=data.knob_space() if args.action == "knobs" else None)  # fmt: skip
+
+    def on_checkpoint(model: Any, best: Any) -> None:
+        """The model as it is now and the best weights so far, for ``--resume`` (also after an interrupt)."""
+        import torch
+
+        model.save(out / f"{args.algo}_sb3.zip")
+        if best is not None:
+            torch.save(best[2], out / BEST_WEIGHTS)
+        state = {"algo": args.algo, "action": args.action, "mode": args.mode, "timesteps": int(model.num_timesteps),
+                 "target_timesteps": args.timesteps, "best_reward": None if best is None else best[0],
+                 "best_updates": None if best is None else best[1], "run_id": args.run_id}  # fmt: skip
+        (out / CHECKPOINT).write_text(json.dumps(state, indent=2))
+
+    resume = best = None
+    timesteps = args.timesteps
+    if args.resume:
+        import torch
+
+        state = checkpoint_of(args, out)
+        resume = out / f"{args.algo}_sb3.zip"
+        timesteps = args.timesteps - int(state["timesteps"])
+        weights_file = out / BEST_WEIGHTS
+        if state.get("best_reward") is not None and weights_file.is_file():
+            best = (float(state["best_reward"]), int(state["best_updates"]), torch.load(weights_file))
+        print(f"  resuming from {resume.name} at {state['timesteps']} timesteps (best reward so far "
+              f"{state.get('best_reward')}); {timesteps} timesteps left", file=sys.stderr)  # fmt: skip
+    with stage(args.algo, total=args.timesteps, unit="timesteps") as progress:
+        progress.set(args.timesteps - timesteps)
+        model = train_sb3(args.algo, env, timesteps, preset=args.preset_obj, seed=args.seed, on_episode=on_episode,
+                          log_metrics=lambda metrics, step: log_metrics(metrics, step=step), evaluate=evaluate,
+                          on_eval=on_eval, progress=progress, keep=args.keep, on_select=on_select, on_best=export,
+                          on_checkpoint=on_checkpoint, resume=resume, best=best)  # fmt: skip
     env.close()
-    export_sb3(model, args.action, policy_dir, data.base_policy, {"workload": args.workload, "model": args.model},
-               space=data.knob_space() if args.action == "knobs" else None)  # fmt: skip
-    model.save(out / f"{args.algo}_sb3.zip")
+    export(model)
+    on_checkpoint(model, None)
+    (out / BEST_WEIGHTS).unlink(missing_ok=True)
     learning_curve(out, f"{args.algo} on {args.workload} ({args.model})", episodes, evals, default_reward)
     return load_policy_file(policy_dir)
