@@ -150,15 +150,18 @@ def build_episodes(
 ) -> TuneData:
     if workload not in TUNE_WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(TUNE_WORKLOADS)}")
-    loaded = loaded or load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
     engine = {"kv_cache_memory": kv_cache_memory} if kv_cache_memory is not None else {}
     sizes = sizes or scaled_sizes(model)
     names = ["prose", "longgen", "chat", "passkey", "multikey"] if workload == "mixed" else [workload]
-    full = LLM(model, "full", loaded=loaded, seed=seed, **engine)
-    store = ReferenceStore(full)
-    tok = loaded.tokenizer
     episodes: list[Episode] = []
     with stage(f"episodes of {workload}, {split} split", total=len(names), unit="workloads") as progress:
+        if loaded is None:
+            progress.set_note(f"loading {model}")
+            loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
+            progress.set_note("")
+        full = LLM(model, "full", loaded=loaded, seed=seed, **engine)
+        store = ReferenceStore(full)
+        tok = loaded.tokenizer
         for name in names:
             spec = dict(sizes[name])
             n = spec.pop("n")

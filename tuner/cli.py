@@ -2,7 +2,7 @@
 
     confkv-tune train --algo {ppo,sac,optuna} --model M [--workload mixed] [--preset quick|standard|refine]
                       [--timesteps N | --trials N] [--scorer NAME[,NAME...]] --out DIR
-                      [--register-as NAME | --no-register]
+                      [--register-as NAME | --no-register] [--resume]
     confkv-tune eval POLICY --workload NAME --split heldout
     confkv-tune compare --policy optuna=DIR/policy.yaml --policy ppo=DIR2/policy --out DIR3
     confkv-tune register NAME (--policy-file F | --artifact DIR | --run RUN_ID)
@@ -17,13 +17,16 @@ name, ``default`` (the requirement's dynamic rule, sized for the episodes) or ``
 model's calibrated thresholds, ``confkv calibrate``). ``train``, ``eval`` and ``compare`` are each an MLflow run of
 the experiment ``confkv-tune`` (``--no-mlflow`` for eval/compare), tagged with the git commit. ``train`` registers
 its result as a new version (no alias) in the policy registry (``store``; see ``tuner.registry_cli``). ``export``
-reads the registry when its argument has an ``@`` (or is ``registry://...``), and an MLflow run's exported policy
-otherwise.
+copies a policy folder or file on disk, reads the registry when its argument has an ``@`` (or is ``registry://...``),
+and an MLflow run's exported policy otherwise; it writes what ``confkv generate --policy-file OUT`` loads.
+A training stopped by Ctrl-C or SIGTERM ends its MLflow run KILLED (an error: FAILED) with the best policy so far in
+``OUT/policy``; ``train ... --resume`` goes on with it. Long work reports progress on stderr (``confkv.progress``).
 User errors print one line on stderr and exit with 2; the registry's refusals (a missing version, a promotion
-the gate refuses) exit with 1.
+the gate refuses) exit with 1; an interrupt 130 (SIGTERM 143).
 
 This module holds the parser and the dispatch; the commands live in ``tuner.train`` (with ``tuner.train_rl``),
-``tuner.review`` (eval, compare, export) and ``tuner.registry_cli``.
+``tuner.review`` (eval, compare, export; ``tuner.explain`` words the reward), ``tuner.demo`` and
+``tuner.registry_cli``.
 """
 
 from __future__ import annotations

@@ -58,6 +58,13 @@ def optuna_trials_plot(path: Path, study: Any) -> Path | None:
     ys = [t.user_attrs["kl_mean"] for t in done]
     colour = [t.number for t in done] if pareto else [t.value for t in done]
     fig, ax = plt.subplots(figsize=(8, 5.5), layout="constrained")
+    cut = [t for t in study.trials if t.state.name == "PRUNED" and "partial_kv_fraction" in t.user_attrs]
+    pruned_pts = [(t.user_attrs["partial_kv_fraction"], t.user_attrs["partial_kl_mean"], t.number) for t in cut]
+    handles = []
+    if pruned_pts:
+        handles.append(ax.scatter([p[0] for p in pruned_pts], [p[1] for p in pruned_pts], marker="x", s=40,
+                                  color="0.45", zorder=3,
+                                  label="pruned after its first group (that group's figures)"))  # fmt: skip
     dots = ax.scatter(xs, ys, c=colour, cmap="viridis", s=45, edgecolor="black", linewidth=0.4, zorder=3)
     bar = fig.colorbar(dots, ax=ax)
     bar.set_label("trial number" if pareto else "trial reward (higher is better)")
@@ -66,7 +73,6 @@ def optuna_trials_plot(path: Path, study: Any) -> Path | None:
     def retrieval(t: Any) -> float:
         return sum(t.user_attrs.get(k) or 0.0 for k in ("passkey_acc", "multikey_acc"))
 
-    handles = []
     if default is not None:
         lost = [t for t in done if retrieval(t) < retrieval(default) - 1e-9]
         if lost:
@@ -85,12 +91,13 @@ def optuna_trials_plot(path: Path, study: Any) -> Path | None:
     from confkv.bench.labels import place_labels
 
     ax.margins(0.1)
-    place_labels(ax, list(zip(xs, ys, strict=True)), [str(t.number) for t in done], fontsize=7, gap=4.0,
-                 colors=["0.35"] * len(done), marker_px=6.0)  # fmt: skip
+    points = list(zip(xs, ys, strict=True)) + [(x, y) for x, y, _ in pruned_pts]
+    numbers = [str(t.number) for t in done] + [str(n) for _, _, n in pruned_pts]
+    place_labels(ax, points, numbers, fontsize=7, gap=4.0, colors=["0.35"] * len(points), marker_px=6.0)
     ax.set_xlabel("resident KV fraction (lower saves more memory)")
     ax.set_ylabel("mean KL to full (nats, lower is closer to full)")
-    extra = f"; {pruned} pruned after their first group, not shown" if pruned else ""
-    ax.set_title(f"Optuna trials of {study.study_name}: {len(done)} finished{extra} (labels: trial numbers)",
+    extra = f", {pruned} pruned after their first group" if pruned else ""
+    ax.set_title(f"Optuna trials of {study.study_name}\n{len(done)} finished{extra}; labels are trial numbers",
                  fontsize=10)  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(handles=handles, loc="best", fontsize=8)

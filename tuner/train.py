@@ -308,13 +308,17 @@ def _train_optuna(
         print(f"  trial {trial.number}: reward {metrics['reward']:.3f}, kv {100 * metrics['kv_fraction']:.1f}%, "
               f"kl {metrics['kl_mean']:.4f}{_retrieval_text(metrics)}", file=sys.stderr)  # fmt: skip
 
+    def on_pruned(trial: Any, metrics: dict[str, Any]) -> None:
+        print(f"  trial {trial.number}: pruned after its first group of episodes (reward {metrics['reward']:.3f}, "
+              f"below the median of the trials before it at that point)", file=sys.stderr)  # fmt: skip
+
     calibrated = calibrated_thresholds(args.model, args.cache_dir)
     seeds = [data.base_policy.replace(**calibrated)] if calibrated else []
     try:
         with stage("optuna", total=args.trials, unit="trials") as progress:
             study = search(data, args.trials, storage=storage, study_name=study_name, objectives=args.objectives,
-                           weights=weights, seed=args.seed, on_trial=on_trial, progress=progress, scorers=scorers,
-                           seeds=seeds, settings=settings)  # fmt: skip
+                           weights=weights, seed=args.seed, on_trial=on_trial, on_pruned=on_pruned,
+                           progress=progress, scorers=scorers, seeds=seeds, settings=settings)  # fmt: skip
     except BaseException:
         stored = open_study(storage, study_name)
         if stored is not None and any(t.state.name == "COMPLETE" for t in stored.trials):
