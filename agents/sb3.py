@@ -21,6 +21,7 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,11 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter, Logger
 from stable_baselines3.common.vec_env import VecEnv
 
+from confkv.progress import Stage
+
 ALGOS = ("ppo", "sac")
+#: The best evaluation of a run: its reward, the updates made before it, and the policy's weights then.
+Best = tuple[float, int, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -142,8 +147,15 @@ class _Progress(BaseCallback):
         on_eval: Callable[[int, int, dict[str, Any]], None] | None,
         eval_every: int,
         rollouts_per_update: int = 1,
+        progress: Stage | None = None,
+        on_best: Callable[[BaseAlgorithm], None] | None = None,
+        on_checkpoint: Callable[[BaseAlgorithm, Best | None], None] | None = None,
+        best: Best | None = None,
     ) -> None:
         super().__init__()
+        self.progress = progress
+        self.on_best = on_best
+        self.on_checkpoint = on_checkpoint
         self.on_episode = on_episode
         self.evaluate = evaluate
         self.on_eval = on_eval
@@ -152,8 +164,9 @@ class _Progress(BaseCallback):
         self.rollouts = 0
         self.episodes = 0
         self.last_eval = -1
-        #: The best evaluation so far: (reward, updates, a copy of the policy's weights then).
-        self.best: tuple[float, int, dict[str, Any]] | None = None
+        #: The best evaluation so far: (reward, updates, a copy of the policy's weights then); a resumed run starts
+        #: from the best of the run it continues.
+        self.best: Best | None = best
 
     def _act(self, obs: np.ndarray) -> Any:
         return self.model.predict(obs, deterministic=True)[0]
@@ -168,8 +181,12 @@ class _Progress(BaseCallback):
         metrics = self.evaluate(self._act)
         if self.best is None or metrics["reward"] > self.best[0]:
             self.best = (float(metrics["reward"]), updates, copy.deepcopy(self.model.policy.state_dict()))
+            if self.on_best:
+                self.on_best(self.model)
         if self.on_eval:
             self.on_eval(self.num_timesteps, updates, metrics)
+        if self.on_checkpoint:
+            self.on_checkpoint(self.model, self.best)
 
     def _on_training_start(self) -> None:
         self._eval()
@@ -183,6 +200,8 @@ class _Progress(BaseCallback):
         self.rollouts += 1
 
     def _on_step(self) -> bool:
+        if self.progress is not None:
+            self.progress.set(self.num_timesteps)
         for info in self.locals.get("infos", []):
             if "summary" in info:
                 self.episodes += 1
@@ -205,18 +224,30 @@ def train_sb3(
     log_metrics: Callable[[dict[str, float], int], None] | None = None,
     evaluate: Callable[[Callable[[np.ndarray], Any]], dict[str, Any]] | None = None,
     on_eval: Callable[[int, int, dict[str, Any]], None] | None = None,
-    progress: bool = False,
+    progress: Stage | None = None,
     keep: str = "best",
     on_select: Callable[[int, float], None] | None = None,
+    on_best: Callable[[BaseAlgorithm], None] | None = None,
+    on_checkpoint: Callable[[BaseAlgorithm, Best | None], None] | None = None,
+    resume: str | Path | None = None,
+    best: Best | None = None,
     **hyper: Any,
 ) -> BaseAlgorithm:
     """Train ``algo`` for ``timesteps`` environment steps (segments) with ``preset``'s settings (default quick;
     ``hyper`` passes anything else to the SB3 class). Small networks: the observation is 14 numbers.
 
+    ``progress``: a ``confkv.progress`` stage counting the timesteps (SB3's own bar draws on terminals only).
     ``keep`` "best" returns the policy as it was at its best evaluation on the training episodes (PPO's reward
     is not monotone in updates; the untrained, base-centred policy counts too), "last" as training left it.
     ``on_select(updates, reward)`` says which evaluation the returned policy is (not called for "last", nor
-    without ``evaluate``)."""
+    without ``evaluate``).
+
+    Stopping is planned for: ``on_best(model)`` runs at every evaluation that beats the best so far (the model then
+    holds that policy: export it), ``on_checkpoint(model, best)`` after every evaluation and when training stops
+    on an exception or an interrupt (save the model and the best weights). ``resume`` (a file ``model.save`` wrote)
+    continues that model for ``timesteps`` more, its timestep count going on from where it stopped, with ``best``
+    (the best of the earlier part) as the best so far. SAC's replay buffer is not saved: a resumed SAC run refills
+    it."""
     if keep not in ("best", "last"):
         raise ValueError(f"keep must be best or last (got {keep!r})")
     p = preset or PRESETS["quick"]
@@ -224,10 +255,16 @@ def train_sb3(
         hyper.setdefault("ent_coef", p.ent_coef)
     continuous = env.action_space.__class__.__name__ == "Box"
     policy_kwargs: dict[str, Any] = {"net_arch": [64, 64]}
-    if algo == "ppo":
+    if resume is not None:
+        if algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS} (got {algo!r})")
+        cls = PPO if algo == "ppo" else SAC
+        model: BaseAlgorithm = cls.load(str(resume), env=env, device="cpu")
+        per_update = 1 if algo == "ppo" else p.n_steps
+    elif algo == "ppo":
         if continuous:
             policy_kwargs["log_std_init"] = p.log_std_init
-        model: BaseAlgorithm = PPO(
+        model = PPO(
             "MlpPolicy", env, n_steps=p.n_steps, batch_size=p.batch_size, n_epochs=p.n_epochs,
             learning_rate=p.learning_rate, gamma=p.gamma, seed=seed, policy_kwargs=policy_kwargs, device="cpu",
             verbose=0, **hyper,
@@ -245,13 +282,20 @@ def train_sb3(
         per_update = p.n_steps  # SAC collects one vectorised step per "rollout": evaluate every n_steps * eval_every
     else:
         raise ValueError(f"algo must be one of {ALGOS} (got {algo!r})")
-    if continuous:
+    if continuous and resume is None:
         _start_at_the_centre(model)
     if log_metrics is not None:
         model.set_logger(Logger(folder=None, output_formats=[_MetricsOutput(log_metrics)]))
-    callback = _Progress(on_episode, evaluate, on_eval, p.eval_every, per_update)
+    callback = _Progress(on_episode, evaluate, on_eval, p.eval_every, per_update, progress, on_best, on_checkpoint,
+                         best)  # fmt: skip
     log_interval = 1 if algo == "ppo" else 4  # SAC: every 4 episodes
-    model.learn(total_timesteps=timesteps, callback=callback, progress_bar=progress, log_interval=log_interval)
+    try:
+        model.learn(total_timesteps=timesteps, callback=callback, progress_bar=False, log_interval=log_interval,
+                    reset_num_timesteps=resume is None)  # fmt: skip
+    except BaseException:
+        if on_checkpoint is not None:
+            on_checkpoint(model, callback.best)
+        raise
     if keep == "best" and callback.best is not None:
         reward, updates, weights = callback.best
         model.policy.load_state_dict(weights)

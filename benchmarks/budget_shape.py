@@ -14,7 +14,7 @@ Two measurements on the standard suite's held-out items (teacher-forced; mean KL
    the same mean run lengths), fed to the same rule in place of the model's signals. The budget swings alike, but
    not where the model is unsure. Real ahead of placebo: the signal puts memory where it pays. Real no better: on
    this workload the signal carries nothing the rule can use. Each run is matched with a fixed ``snapkv`` budget
-   (``--match``: other fixed policies too) at its own measured mean memory (``confkv.bench.suite.matched_budget``).
+   (``--match``: other fixed policies too) at its own measured mean memory (``confkv.bench.memory.matched_budget``).
 3. **Oracle** (``--oracle``). The same rule fed a signal that knows the future: before each token it is told
    whether the next ``compact_interval`` tokens (the chunk its decision governs) are among the hardest for a fixed
    ``snapkv`` budget of ``base_size``, measured per token in a first run (mean KL to full over the chunk above a
@@ -44,10 +44,13 @@ import torch
 from common import shrunk_spec, split_arg
 from dynamic_ablation import TEACHER_FORCED, measure
 
-from confkv.bench.suite import Evaluator, Usage, baseline_policy, matched_budget, scaled_dynamic, suite_spec
+from confkv.bench.evaluator import Evaluator
+from confkv.bench.memory import Usage, matched_budget
+from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
 from confkv.config import CachePolicy
 from confkv.controllers import BudgetState, DynamicController, StepSignals
 from confkv.policy_source import load_policy
+from confkv.progress import bars
 from confkv.scoring import ScoreItem, Scorer
 
 _UNSURE = {"entropy": math.inf, "gap": 0.0, "top1_prob": 0.0}
@@ -165,7 +168,7 @@ def main() -> None:
         p.error(f"--workloads takes the teacher-forced workloads ({', '.join(TEACHER_FORCED)}), not {unknown}")
     spec = shrunk_spec(suite_spec(args.model, "standard"), args.items, TEACHER_FORCED)
     t0 = time.perf_counter()
-    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
+    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=bars())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     base = load_policy(args.policy_file) if args.policy_file else scaled_dynamic(spec.scale)
     budgets = [int(b) for b in args.budgets.split(",") if b]

@@ -14,7 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from confkv.bench.suite import Evaluator, SuiteSpec, build_workloads, git_commit, suite_spec
+from confkv.bench.evaluator import Evaluator, build_workloads
+from confkv.bench.provenance import git_commit
+from confkv.bench.specs import SuiteSpec, suite_spec
 from confkv.bench.workloads import render_chat
 from confkv.engine.engine import LLMEngine
 from confkv.model_loader import LoadedModel, load_model, resolve_device

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from common import load, longgen_evaluator, parser, report, setup, variant_args
 
-from confkv.bench.suite import Usage, baseline_policy, matched_budget
+from confkv.bench.memory import Usage, matched_budget
+from confkv.bench.specs import baseline_policy
 from confkv.bench.textmetrics import rouge_l
 from confkv.bench.throughput import ThroughputSpec, make_requests
 from confkv.config import CachePolicy

@@ -8,7 +8,7 @@ baselines re-matched to that variant's own mean resident memory, workload by wor
 
 Teacher-forced workloads (prose, long generation, chat) report the mean KL to the full cache per token; retrieval
 (``--retrieval``: pass-key, multi-key) reports accuracy. For every (variant, workload) the baselines get the budget
-whose predicted mean resident memory equals the variant's measured one (``confkv.bench.suite.matched_budget``), so
+whose predicted mean resident memory equals the variant's measured one (``confkv.bench.memory.matched_budget``), so
 the table reads "at this memory, who loses less". The full-cache references are cached under ``$CONFKV_CACHE``.
 A ``--policy-file`` variant gets baselines that take the file's other keys, as ``confkv bench`` matches them.
 Multi-key retrieval may run more items than the suite's four (``--items``), since one answer is 25% there.
@@ -26,15 +26,12 @@ from typing import Any
 
 from common import shrunk_spec, split_arg
 
-from confkv.bench.suite import (
-    Evaluator,
-    baseline_policy,
-    matched_budget,
-    scaled_dynamic,
-    suite_spec,
-)
+from confkv.bench.evaluator import Evaluator
+from confkv.bench.memory import matched_budget
+from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
 from confkv.config import CachePolicy
 from confkv.policy_source import load_policy
+from confkv.progress import bars
 
 #: Each variant: policy keys changed from the requirement's dynamic defaults scaled to the suite.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -86,7 +83,7 @@ def main() -> None:
     spec = shrunk_spec(suite_spec(args.model, args.suite), args.items, TEACHER_FORCED)
     spec = dataclasses.replace(spec, multikey={**spec.multikey, "n": args.items})
     t0 = time.perf_counter()
-    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=sys.stderr.isatty())
+    ev = Evaluator.prepare(args.model, spec, split=args.split, progress=bars())
     print(f"references ready ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     base = scaled_dynamic(spec.scale)
     workloads = [w for w in args.workloads.split(",") if w]

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from common import load, longgen_evaluator, parser, report, setup, variant_args
 
-from confkv.bench.suite import baseline_policy, matched_budget
+from confkv.bench.memory import matched_budget
+from confkv.bench.specs import baseline_policy
 from confkv.bench.textmetrics import bleu4
 from confkv.config import CachePolicy
 from confkv.policy_source import load_policy

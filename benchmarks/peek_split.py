@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from common import shrunk_spec
 
-from confkv.bench.suite import Evaluator, suite_spec
+from confkv.bench.evaluator import Evaluator
+from confkv.bench.specs import suite_spec
 from confkv.policy_source import load_policy
 from confkv.scoring import ScoreItem, Scorer
 

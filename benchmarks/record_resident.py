@@ -20,7 +20,7 @@ from pathlib import Path
 from common import load, parser, report, setup, split_arg
 
 from confkv import LLM, SamplingParams
-from confkv.bench.suite import baseline_policy, suite_spec
+from confkv.bench.specs import baseline_policy, suite_spec
 from confkv.bench.workloads import WorkloadItem, make_workload
 from confkv.config import CachePolicy
 from confkv.policy_source import load_policy

@@ -66,10 +66,22 @@ def _add_policy_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     )
 
 
+def package_version() -> str:
+    """The installed package's version (``pyproject.toml``), or ``unknown`` when the code runs from a checkout that
+    was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("confkv")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="confkv", description="LLM inference whose KV cache is sized by the model's own confidence."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine decisions to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -294,6 +306,7 @@ def out_folder(path: str) -> Path:
 def cmd_bench(args: argparse.Namespace) -> int:
     from confkv.bench.report import write_report
     from confkv.bench.suite import run_suite
+    from confkv.progress import bars
 
     if args.suite == "throughput":
         return _bench_throughput(args)
@@ -319,7 +332,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
         split=args.split,
-        progress=sys.stderr.isatty(),
+        progress=bars(),
         log=lambda line: print(line, file=sys.stderr),
     )
     paths = write_report(results, args.out)
@@ -330,7 +343,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_throughput(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from confkv.bench.throughput import TINY_THROUGHPUT, ThroughputSpec, run_throughput, write_throughput_report
+    from confkv.bench.throughput import TINY_THROUGHPUT, ThroughputSpec, run_throughput
+    from confkv.bench.throughput_report import write_throughput_report
 
     policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]
     scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
@@ -404,14 +418,15 @@ def quiet_libraries(verbose: bool = False) -> None:
 def run_command(
     prog: str, command: Callable[[argparse.Namespace], int], args: argparse.Namespace, user_errors: tuple = ()
 ) -> int:
-    """Run a subcommand; a user error becomes one stderr line and exit status 2, Ctrl-C exit status 130."""
+    """Run a subcommand; a user error becomes one stderr line and exit status 2, Ctrl-C exit status 130 (SIGTERM,
+    which ``confkv-tune train`` turns into an interrupt with its ``signum``: 143)."""
     try:
         return command(args)
     except (ConfkvError, *user_errors) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as err:
+        return 128 + int(getattr(err, "signum", 2))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

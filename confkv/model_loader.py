@@ -36,6 +36,7 @@ from transformers import (
 )
 
 from confkv.errors import ConfkvError, ModelNotFoundError
+from confkv.progress import stage
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,20 @@ def source_fingerprint(name: str, cache_dir: str | os.PathLike[str] | None = Non
     return h.hexdigest()[:16]
 
 
+#: How long converting smollm2-135m's GGUF took on a 2-core CPU (de-quantising is most of it): the progress
+#: estimate before the conversion says anything itself.
+_CONVERT_EXPECTED_S = 45.0
+
+
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """De-quantise a GGUF file once and save it as a plain safetensors model folder."""
+    """De-quantise a GGUF file once and save it as a plain safetensors model folder (a progress stage: it takes
+    a minute or less, silent otherwise)."""
     log.info("converting %s to safetensors in %s (once)", gguf.name, out_dir)
+    with stage(f"converting {gguf.name} to safetensors (once)", expected_s=_CONVERT_EXPECTED_S):
+        _convert(gguf, out_dir)
+
+
+def _convert(gguf: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True

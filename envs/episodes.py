@@ -25,6 +25,7 @@ from confkv.config import CachePolicy
 from confkv.controllers.learned import KnobSpace
 from confkv.llm import LLM
 from confkv.model_loader import LoadedModel, load_model
+from confkv.progress import stage
 from confkv.scoring import ScoreItem
 
 TUNE_WORKLOADS = ("mixed", "prose", "longgen", "chat", "passkey", "multikey")
@@ -128,7 +129,7 @@ def scaled_sizes(model: str, scale: int = 1) -> dict[str, dict[str, Any]]:
 
 def default_base_policy(model: str) -> CachePolicy:
     """The requirement's dynamic defaults, sized for the episodes' lengths (an eighth; a thirty-second on tiny)."""
-    from confkv.bench.suite import scaled_dynamic
+    from confkv.bench.specs import scaled_dynamic
 
     return scaled_dynamic(1 / 32 if model == "tiny-random" else 0.125)
 
@@ -149,36 +150,41 @@ def build_episodes(
 ) -> TuneData:
     if workload not in TUNE_WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(TUNE_WORKLOADS)}")
-    loaded = loaded or load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
     engine = {"kv_cache_memory": kv_cache_memory} if kv_cache_memory is not None else {}
     sizes = sizes or scaled_sizes(model)
     names = ["prose", "longgen", "chat", "passkey", "multikey"] if workload == "mixed" else [workload]
-    full = LLM(model, "full", loaded=loaded, seed=seed, **engine)
-    store = ReferenceStore(full)
-    tok = loaded.tokenizer
     episodes: list[Episode] = []
-    for name in names:
-        spec = dict(sizes[name])
-        n = spec.pop("n")
-        items = make_workload(name, tok, split=split, n=n, seed=seed, **spec)
-        prompt_lens: list[int] = [0] * len(items)
-        if name == "prose":
-            triples = [(list(it.prompt_ids), 0, min(PROSE_CONTEXT, len(it.prompt_ids) - 1)) for it in items]
-            spans = [None] * len(items)
-        elif name in RETRIEVAL:
-            triples, spans = [], []
-            for i, it in enumerate(items):
-                answer = list(tok(" " + str(it.answer), add_special_tokens=False)["input_ids"])
-                n = len(it.prompt_ids)
-                start = min(PROSE_CONTEXT, n)
-                triples.append((list(it.prompt_ids) + answer, 0, start))
-                spans.append((n - start, n - start + len(answer)))
-                prompt_lens[i] = n
-        else:
-            triples = [(list(it.prompt_ids), it.max_tokens, None) for it in items]
-            spans = [None] * len(items)
-        refs = build_references(full, triples, store)
-        for it, ref, span, plen in zip(items, refs, spans, prompt_lens, strict=True):
-            item = ScoreItem(ref.scored_ids, ref.score_from, ref.topk)
-            episodes.append(Episode(name, it.item_id, item, span, plen))
+    with stage(f"episodes of {workload}, {split} split", total=len(names), unit="workloads") as progress:
+        if loaded is None:
+            progress.set_note(f"loading {model}")
+            loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
+            progress.set_note("")
+        full = LLM(model, "full", loaded=loaded, seed=seed, **engine)
+        store = ReferenceStore(full)
+        tok = loaded.tokenizer
+        for name in names:
+            spec = dict(sizes[name])
+            n = spec.pop("n")
+            items = make_workload(name, tok, split=split, n=n, seed=seed, **spec)
+            prompt_lens: list[int] = [0] * len(items)
+            if name == "prose":
+                triples = [(list(it.prompt_ids), 0, min(PROSE_CONTEXT, len(it.prompt_ids) - 1)) for it in items]
+                spans = [None] * len(items)
+            elif name in RETRIEVAL:
+                triples, spans = [], []
+                for i, it in enumerate(items):
+                    answer = list(tok(" " + str(it.answer), add_special_tokens=False)["input_ids"])
+                    n = len(it.prompt_ids)
+                    start = min(PROSE_CONTEXT, n)
+                    triples.append((list(it.prompt_ids) + answer, 0, start))
+                    spans.append((n - start, n - start + len(answer)))
+                    prompt_lens[i] = n
+            else:
+                triples = [(list(it.prompt_ids), it.max_tokens, None) for it in items]
+                spans = [None] * len(items)
+            refs = build_references(full, triples, store, label=f"references: {name}")
+            for it, ref, span, plen in zip(items, refs, spans, prompt_lens, strict=True):
+                item = ScoreItem(ref.scored_ids, ref.score_from, ref.topk)
+                episodes.append(Episode(name, it.item_id, item, span, plen))
+            progress.update(1)
     return TuneData(model, loaded, base_policy or default_base_policy(model), episodes, workload, split, engine)

@@ -4,6 +4,14 @@
 exported learned policy) through ``confkv.scoring``; ``evaluate_agent`` runs an agent acting in the environment.
 Both report the resident KV fraction, KL to full, perplexity of the prose episodes, pass-key accuracy and the
 environment's reward per episode, segmenting tokens exactly as the environment does.
+
+The reward is a sum of terms, and ``reward_terms`` says what each contributed to the mean episode reward: memory
+(``memory_weight`` x the share of the cache not resident, summed over an episode's segments), KL (minus
+``quality_weight`` x the mean KL of each segment, summed likewise) and one term per retrieval workload
+(``task_weight`` for an answer the policy gets right, once per pass-key or multi-key episode). Memory is earned on
+every segment of every episode and a retrieval answer once, on a few episodes, so a policy can rank first while it
+loses every pass key; ``full_passkey_acc`` and ``full_multikey_acc`` (what the full cache answers, read from the
+references) are the bar a policy's retrieval is held to.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from confkv.bench.scored import score_items
 from confkv.config import CachePolicy
-from confkv.scoring import Scorer, ScoreResult
+from confkv.progress import stage
+from confkv.scoring import ScoreResult
 from envs.env import ConfKVVecEnv, RewardWeights, reward_of
 from envs.episodes import Episode, TuneData
 
@@ -36,7 +46,42 @@ def task_accuracy(rows: list[dict[str, Any]], workload: str | None = None) -> fl
     return float(np.mean(done)) if done else None
 
 
-def _summarise(rows: list[dict[str, Any]], tokens: dict[str, float]) -> dict[str, Any]:
+def full_task_correct(ep: Episode) -> float | None:
+    """Whether the full cache's top-1 choice is the answer at every answer token of a retrieval episode (from the
+    reference's top-k, which the references keep sorted): what a policy's retrieval is compared with."""
+    ref = ep.item.reference
+    if ep.task is None or ref is None:
+        return None
+    a, b = ep.task
+    start = ep.item.score_from
+    answer = torch.tensor(ep.item.token_ids[start + a : start + b])
+    return float(bool((ref.ids[a:b, 0] == answer).all()))
+
+
+def _mean_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return float(np.mean(values)) if values else None
+
+
+def reward_terms(rows: list[dict[str, Any]], weights: RewardWeights) -> dict[str, dict[str, Any]]:
+    """Each term's weight and contribution to the mean episode reward (the contributions sum to it)."""
+    n = len(rows)
+    terms: dict[str, dict[str, Any]] = {
+        "memory": {"weight": weights.memory_weight, "contribution": sum(r["reward_memory"] for r in rows) / n,
+                   "per": "segment: weight x (1 - resident KV share)"},
+        "kl": {"weight": weights.quality_weight, "contribution": sum(r["reward_kl"] for r in rows) / n,
+               "per": "segment: -weight x mean KL to full"},
+    }  # fmt: skip
+    for workload in ("passkey", "multikey"):
+        done = [r for r in rows if r["workload"] == workload and "task_correct" in r]
+        if done:
+            terms[workload] = {"weight": weights.task_weight, "contribution": sum(r["reward_task"] for r in done) / n,
+                               "per": f"{workload} episode answered", "episodes": len(done), "of": n}  # fmt: skip
+    return terms
+
+
+def _summarise(rows: list[dict[str, Any]], tokens: dict[str, float], weights: RewardWeights) -> dict[str, Any]:
+    full = [dict(r, task_correct=r["full_correct"]) for r in rows if r.get("full_correct") is not None]
     out: dict[str, Any] = {
         "episodes": len(rows),
         "reward": float(np.mean([r["reward"] for r in rows])),
@@ -46,18 +91,29 @@ def _summarise(rows: list[dict[str, Any]], tokens: dict[str, float]) -> dict[str
         "passkey_acc": task_accuracy(rows, "passkey"),
         "multikey_acc": task_accuracy(rows, "multikey"),
         "task_acc": task_accuracy(rows),
+        "full_passkey_acc": task_accuracy(full, "passkey"),
+        "full_multikey_acc": task_accuracy(full, "multikey"),
+        "segments_mean": _mean_of(rows, "segments"),
+        "reward_terms": reward_terms(rows, weights),
         "per_episode": rows,
     }
     return out
 
 
 def evaluate_policy(
-    data: TuneData, policy: CachePolicy, weights: RewardWeights | None = None, episodes: list[Episode] | None = None
+    data: TuneData,
+    policy: CachePolicy,
+    weights: RewardWeights | None = None,
+    episodes: list[Episode] | None = None,
+    label: str | None = None,
 ) -> dict[str, Any]:
+    """Every episode scored once under ``policy``, all in one batch: the figures and reward of the module docstring.
+    ``label`` names the progress stage (``confkv.progress``) that counts the episodes as they finish."""
     weights = weights or RewardWeights()
     episodes = episodes or data.episodes
     llm = data.llm(policy, max_batch_size=len(episodes))
-    results = Scorer(llm.engine).score([ep.item for ep in episodes])
+    with stage(label or f"evaluate {policy.controller}", total=len(episodes), unit="episodes") as progress:
+        results = score_items(llm.engine, [ep.item for ep in episodes], on_done=lambda _: progress.update(1))
     return _from_results(episodes, results, policy.compact_interval, weights)
 
 
@@ -68,16 +124,23 @@ def _from_results(
     tok = {"resident": 0.0, "full": 0.0, "kl": 0.0, "n": 0.0, "prose_nll": 0.0, "prose_n": 0.0}
     for ep, r in zip(episodes, results, strict=True):
         kl = r.kl if r.kl is not None else torch.zeros(r.num_tokens)
-        reward = sum(reward_of(weights, r.resident[s], r.full[s], kl[s]) for s in _segments(r.num_tokens, chunk))
+        segments = _segments(r.num_tokens, chunk)
+        reward = sum(reward_of(weights, r.resident[s], r.full[s], kl[s]) for s in segments)
         row: dict[str, Any] = {
             "item": ep.item_id,
             "workload": ep.workload,
             "kv_fraction": r.kv_fraction,
             "kl": float(kl.mean()),
+            "segments": len(segments),
+            "reward_memory": weights.memory_weight
+            * sum(1.0 - float((r.resident[s].float() / r.full[s].float()).mean()) for s in segments),
+            "reward_kl": -weights.quality_weight * sum(float(kl[s].mean()) for s in segments),
         }
         if ep.task is not None and r.greedy_match is not None:
             a, b = ep.task
             row["task_correct"] = float(bool(r.greedy_match[a:b].all()))
+            row["reward_task"] = weights.task_weight * row["task_correct"]
+            row["full_correct"] = full_task_correct(ep)
             reward += weights.task_weight * row["task_correct"]
         row["reward"] = reward
         rows.append(row)
@@ -88,7 +151,7 @@ def _from_results(
         if ep.workload == "prose":
             tok["prose_nll"] += float(-r.token_logprobs.sum())
             tok["prose_n"] += r.num_tokens
-    return _summarise(rows, tok)
+    return _summarise(rows, tok, weights)
 
 
 def _play(
@@ -101,14 +164,16 @@ def _play(
     obs = [slots.start(i, ep) for i, ep in enumerate(episodes)]
     steps: list[list[float]] = [[] for _ in episodes]
     live = set(range(len(episodes)))
-    while live:
-        order = sorted(live)
-        results = slots.advance_some(order, [act(obs[i]) for i in order])
-        for i, (o, reward, done, _info) in zip(order, results, strict=True):
-            obs[i] = o
-            steps[i].append(float(reward))
-            if done:
-                live.discard(i)
+    with stage("evaluate the agent", total=len(episodes), unit="episodes") as progress:
+        while live:
+            order = sorted(live)
+            results = slots.advance_some(order, [act(obs[i]) for i in order])
+            for i, (o, reward, done, _info) in zip(order, results, strict=True):
+                obs[i] = o
+                steps[i].append(float(reward))
+                if done:
+                    live.discard(i)
+                    progress.update(1)
     scored = [slots.session.result(slots.index[i]) for i in range(len(episodes))]  # type: ignore[arg-type]
     env.close()
     return scored, steps

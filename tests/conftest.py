@@ -25,6 +25,16 @@ def _registry_in_a_temporary_folder(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _no_progress_lines():
+    """Long commands write progress lines to stderr when it is not a terminal (``confkv.progress``), as under
+    pytest: off here, so the tests that read stderr see what the command says; ``test_progress.py`` turns them on."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CONFKV_PROGRESS", "off")
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _no_user_calibration(tmp_path_factory: pytest.TempPathFactory):
     """The default policy takes a model's calibrated thresholds when ``confkv calibrate`` wrote them: keep a
     calibration in the user's cache from changing what the tests measure (an empty folder instead)."""

@@ -5,16 +5,10 @@ import json
 
 import torch
 
+from confkv.bench.memory import Usage, fixed_offset, matched_budget
 from confkv.bench.report import REQUIRED_POLICY_KEYS, WORKLOAD_KEYS
-from confkv.bench.suite import (
-    SUITES,
-    Usage,
-    estimate_seconds,
-    fixed_offset,
-    matched_budget,
-    plan_policies,
-    scaled_dynamic,
-)
+from confkv.bench.specs import SUITES, estimate_seconds, scaled_dynamic
+from confkv.bench.suite import plan_policies
 from confkv.cli import main
 
 

@@ -11,14 +11,9 @@ from typing import Any
 
 import pytest
 
-from confkv.bench.report import (
-    REQUIRED_POLICY_KEYS,
-    _grid_cells,
-    equal_memory_comparisons,
-    markdown_table,
-    plot_passkey,
-    write_report,
-)
+from confkv.bench.plots import _grid_cells, plot_passkey
+from confkv.bench.report import REQUIRED_POLICY_KEYS, write_report
+from confkv.bench.tables import equal_memory_comparisons, markdown_table
 from confkv.bench.textmetrics import bleu4, rouge_l
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -139,3 +139,15 @@ def test_score_errors(capsys, tmp_path, args, fragment):
     args = [str(tmp_path / a) if a in ("EMPTY", "SHORT") else a for a in args]
     code, _, err = run_cli(capsys, "score", "--model", "tiny-random", *args)
     assert code == 2 and fragment in err
+
+
+def test_version_prints_the_installed_package_version(capsys):
+    from importlib.metadata import version
+
+    from tuner.cli import main as tune_main
+
+    for prog, entry in (("confkv", main), ("confkv-tune", tune_main)):
+        with pytest.raises(SystemExit) as exit_info:
+            entry(["--version"])
+        assert exit_info.value.code == 0
+        assert capsys.readouterr().out.strip() == f"{prog} {version('confkv')}"

@@ -572,7 +572,7 @@ def _no_model(monkeypatch) -> None:
     def boom(*_: Any) -> None:
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr("tuner.cli._data", boom)
+    monkeypatch.setattr("tuner.options.tune_data", boom)
 
 
 def test_bad_paths_and_uris_are_one_line_errors_before_the_model_loads(tmp_path, monkeypatch, capsys):
@@ -599,7 +599,7 @@ def test_bad_paths_and_uris_are_one_line_errors_before_the_model_loads(tmp_path,
         def fail(*_: Any, error: Exception = error) -> None:
             raise error
 
-        monkeypatch.setattr("tuner.cli._data", fail)
+        monkeypatch.setattr("tuner.options.tune_data", fail)
         assert tune_main(["eval", "default", "--model", "tiny-random", "--no-mlflow"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("confkv-tune: error: ") and len(err.strip().splitlines()) == 1

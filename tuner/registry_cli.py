@@ -307,7 +307,7 @@ def export_registry(args: argparse.Namespace) -> int:
     name, target = parse_ref(args.run if is_registry_ref(args.run) else f"registry://{args.run}")
     path = _registry(args).export(name, target, args.out)
     load_policy_file(path)  # what was written must load as a policy file
-    print(str(path))
+    print(str(Path(args.out)))  # the folder (or YAML file) --policy-file takes, whatever kind of policy it holds
     return 0
 
 

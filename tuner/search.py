@@ -30,6 +30,7 @@ import optuna
 from confkv.config import CachePolicy
 from confkv.controllers.learned import KnobSpace
 from confkv.errors import ConfkvError
+from confkv.progress import Stage
 from envs.env import RewardWeights, knob_space
 from envs.episodes import TuneData
 from envs.evaluate import evaluate_policy
@@ -126,15 +127,19 @@ def search(
     weights: RewardWeights | None = None,
     seed: int = 0,
     groups: int = 2,
-    progress: bool = False,
+    progress: Stage | None = None,
     on_trial: Callable[[optuna.trial.FrozenTrial, dict[str, Any]], None] | None = None,
+    on_pruned: Callable[[optuna.Trial, dict[str, Any]], None] | None = None,
     scorers: Sequence[str] = (),
     seeds: Sequence[CachePolicy] = (),
     settings: Mapping[str, Any] | None = None,
 ) -> optuna.Study:
     """Run ``trials`` more trials of a (new or resumed) study; ``scorers``: several to search the scorer too;
     ``seeds``: policies tried right after the base policy in a new study; ``settings``: JSON values that define
-    the objective, recorded by a new study and required to match when one is resumed (``ConfkvError`` otherwise)."""
+    the objective, recorded by a new study and required to match when one is resumed (``ConfkvError`` otherwise);
+    ``progress``: a ``confkv.progress`` stage counting finished trials, pruned ones included; ``on_pruned(trial,
+    metrics)``: a trial stopped after a group, with that group's figures (also kept as ``partial_*`` user attributes,
+    so a plot can place it)."""
     weights = weights or RewardWeights()
     base = data.base_policy
     sampler = optuna.samplers.TPESampler(seed=seed)
@@ -171,12 +176,17 @@ def search(
         rows: list[dict[str, Any]] = []
         metrics: dict[str, Any] = {}
         for step, group in enumerate(chunks):
-            metrics = evaluate_policy(data, policy, weights, group)
+            label = f"trial {trial.number}" + (f", group {step + 1}/{len(chunks)}" if len(chunks) > 1 else "")
+            metrics = evaluate_policy(data, policy, weights, group, label=label)
             rows.extend(metrics["per_episode"])
             rewards.extend(r["reward"] for r in metrics["per_episode"])
             if objectives == "reward" and step < len(chunks) - 1:
                 trial.report(sum(rewards) / len(rewards), step)
                 if trial.should_prune():
+                    trial.set_user_attr("partial_kv_fraction", metrics["kv_fraction"])
+                    trial.set_user_attr("partial_kl_mean", metrics["kl_mean"])
+                    if on_pruned:
+                        on_pruned(trial, {**metrics, "reward": sum(rewards) / len(rewards)})
                     raise optuna.TrialPruned()
         if len(chunks) > 1:
             metrics = evaluate_summary(rows)
@@ -191,7 +201,8 @@ def search(
             return metrics["kv_fraction"], metrics["kl_mean"]
         return sum(rewards) / len(rewards)
 
-    study.optimize(objective, n_trials=trials, catch=(), show_progress_bar=progress)
+    count = [lambda _study, _trial: progress.update(1)] if progress is not None else []
+    study.optimize(objective, n_trials=trials, catch=(), callbacks=count)
     return study
 
 

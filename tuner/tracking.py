@@ -38,7 +38,7 @@ def _quiet() -> None:
 @functools.cache
 def git_commit() -> dict[str, str]:
     """The commit the running code comes from, and whether tracked files differ from it ({} outside a checkout)."""
-    from confkv.bench.suite import git_commit as head_commit
+    from confkv.bench.provenance import git_commit as head_commit
 
     root = Path(__file__).resolve().parents[1]
     commit = head_commit(short=False, cwd=root)
@@ -83,7 +83,11 @@ def check_tracking_uri(uri: str | None) -> None:
 def mlflow_run(
     tracking_uri: str | None, run_name: str, params: dict[str, Any], tags: dict[str, Any] | None = None
 ) -> Iterator[Any]:
-    """An MLflow run of the ``confkv-tune`` experiment with ``params``, ``tags`` and the git commit as tags."""
+    """An MLflow run of the ``confkv-tune`` experiment with ``params``, ``tags`` and the git commit as tags.
+
+    The run ends FINISHED, FAILED on an exception (MLflow's own rule) or KILLED when the block is interrupted
+    (Ctrl-C, or SIGTERM turned into ``KeyboardInterrupt`` by ``tuner.interrupt``): a stopped run never stays
+    RUNNING in the tracking store."""
     _quiet()
     import mlflow
 
@@ -99,8 +103,12 @@ def mlflow_run(
     all_tags = {**({"mlflow.source.git.commit": git["commit"], "confkv.git_commit": git["commit"],
                     "confkv.git_dirty": git["dirty"]} if git else {}), **(tags or {})}  # fmt: skip
     with mlflow.start_run(run_name=run_name, tags={k: str(v) for k, v in all_tags.items()}) as run:
-        mlflow.log_params({k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in params.items()})
-        yield run
+        try:
+            mlflow.log_params({k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in params.items()})
+            yield run
+        except KeyboardInterrupt:
+            mlflow.end_run(status="KILLED")  # start_run's exit then finds no active run and leaves it so
+            raise
 
 
 def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
@@ -134,10 +142,11 @@ def log_dict(doc: Any, name: str) -> None:
 
 
 def download_policy(run_id: str, out: str | Path, tracking_uri: str | None) -> Path:
-    """Write a run's exported policy under ``out`` and return what to load: ``out/policy`` (a folder), or ``out``
-    itself when it names a ``.yaml``/``.yml`` file and the policy is a rule one, as ``export`` from the registry
-    does. A learned policy is a folder (the network beside its YAML), so a file name for it is refused rather than
-    becoming a folder named like a file."""
+    """Write a run's exported policy to ``out`` and return what to load: the folder ``out`` itself (its
+    ``policy.yaml``, and a learned policy's network beside it), or ``out`` as a file when it names a
+    ``.yaml``/``.yml`` file and the policy is a rule one, as ``export`` from the registry does: either way
+    ``confkv generate --policy-file OUT`` loads it. A learned policy is a folder, so a file name for it is refused
+    rather than becoming a folder named like a file."""
     _quiet()
     import mlflow
 
@@ -158,9 +167,17 @@ def download_policy(run_id: str, out: str | Path, tracking_uri: str | None) -> P
         return out
     if out.exists() and not out.is_dir():
         raise ConfkvError(f"--out {out} is an existing file; give a folder (or a .yaml name for a rule policy)")
+    with tempfile.TemporaryDirectory(prefix="confkv-export-") as tmp:
+        folder = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="policy", dst_path=tmp))
+        return copy_policy_folder(folder, out)
+
+
+def copy_policy_folder(folder: Path, out: Path) -> Path:
+    """The files of an exported policy folder copied into ``out`` (created), so ``out/policy.yaml`` is the policy
+    and a learned policy's relative ``learned_path`` still finds its network; returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="policy", dst_path=str(out))
-    return Path(path)
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    return out
 
 
 def get_run(run_id: str, tracking_uri: str | None) -> Any:

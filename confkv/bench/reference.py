@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from confkv.bench.scored import score_items
 from confkv.engine.params import SamplingParams
 from confkv.llm import LLM
 from confkv.model_loader import cache_root
-from confkv.scoring import REFERENCE_TOPK, ScoreItem, Scorer, TopK
+from confkv.progress import Stage, stage
+from confkv.scoring import REFERENCE_TOPK, ScoreItem, TopK
 
 REFERENCE_VERSION = 1
 
@@ -133,25 +135,48 @@ def build_references(
     *,
     topk: int = REFERENCE_TOPK,
     use_tqdm: bool = False,
+    label: str = "full-cache references",
 ) -> list[Reference]:
     """References for ``(prompt_ids, max_tokens, score_from)`` triples, from the store where present.
 
     ``score_from`` set: a scoring item (the prompt is the text, scored from that index; ``max_tokens`` unused).
     ``score_from`` None: a generation item: full generates ``max_tokens`` greedily (EOS ends it early), then the
-    prompt plus that continuation is scored from the prompt's end.
+    prompt plus that continuation is scored from the prompt's end. The items not in the store are a progress stage
+    named ``label`` (``confkv.progress``), counted as they are scored; ``use_tqdm`` also draws the engine's bars.
     """
     if full.policy.controller != "full":
         raise ValueError("references come from the full cache")
     keys = [item_key(p, m, s, topk) for p, m, s in items]
     out: list[Reference | None] = [store.get(k) if store else None for k in keys]
     missing = [i for i, r in enumerate(out) if r is None]
+    if not missing:
+        return [r for r in out if r is not None]
+    with stage(label, total=len(missing), unit="items") as progress:
+        _compute(full, items, missing, out, keys, store, topk, use_tqdm, progress)
+    return [r for r in out if r is not None]
+
+
+def _compute(
+    full: LLM,
+    items: list[tuple[list[int], int, int | None]],
+    missing: list[int],
+    out: list[Reference | None],
+    keys: list[str],
+    store: ReferenceStore | None,
+    topk: int,
+    use_tqdm: bool,
+    progress: Stage,
+) -> None:
+    """Generate full's answers to the generation items, then score every missing item, filling ``out``."""
     gen = [i for i in missing if items[i][2] is None]
     continuations: dict[int, tuple[list[int], str]] = {}
     if gen:
+        progress.set_note(f"generating full's answers to {len(gen)}")
         params = [SamplingParams(max_tokens=items[i][1]) for i in gen]
         outs = full.generate([list(items[i][0]) for i in gen], params, use_tqdm=use_tqdm)
         continuations = {i: (o.token_ids, o.text) for i, o in zip(gen, outs, strict=True)}
-    score_items = []
+        progress.set_note("scoring")
+    to_score = []
     for i in missing:
         prompt, _, score_from = items[i]
         if score_from is None:
@@ -161,13 +186,12 @@ def build_references(
                 ids.append(full.engine.tokenizer.eos_token_id or 0)
         else:
             ids, start = list(prompt), score_from
-        score_items.append(ScoreItem(ids, start))
-    scored = Scorer(full.engine).score(score_items, keep_topk=topk, use_tqdm=use_tqdm) if score_items else []
-    for i, item, res in zip(missing, score_items, scored, strict=True):
+        to_score.append(ScoreItem(ids, start))
+    scored = score_items(full.engine, to_score, keep_topk=topk, on_done=lambda _: progress.update(1))
+    for i, item, res in zip(missing, to_score, scored, strict=True):
         cont, text = continuations.get(i, ([], ""))
         assert res.topk is not None
         ref = Reference(cont, text, item.token_ids, item.score_from, res.topk, res.token_logprobs)
         out[i] = ref
         if store is not None:
             store.put(keys[i], ref)
-    return [r for r in out if r is not None]

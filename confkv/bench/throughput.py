@@ -17,7 +17,6 @@ run; it is reported as ``hf_static``.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable
@@ -30,7 +29,9 @@ import numpy as np
 import torch
 
 from confkv.bench.corpus import split_passage
-from confkv.bench.suite import git_commit, scaled_dynamic
+from confkv.bench.provenance import git_commit
+from confkv.bench.specs import baseline_policy, scaled_dynamic
+from confkv.bench.suite import row_name
 from confkv.bench.textmetrics import rouge_l
 from confkv.bench.workloads import render_chat
 from confkv.config import BUILTIN_POLICIES, CachePolicy
@@ -40,6 +41,7 @@ from confkv.kv.pool import BlockPool
 from confkv.llm import LLM
 from confkv.model_loader import LoadedModel, load_model
 from confkv.policy_source import load_policy
+from confkv.progress import stage
 
 TASKS = (
     "Summarise the excerpt above in a few sentences.",
@@ -279,8 +281,6 @@ def _quality(result: StreamResult, reference: StreamResult) -> dict[str, float]:
 def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -> list[tuple[str, CachePolicy]]:
     """The suite's policies by name (``dynamic`` at the suite's sizes, fixed ones at its ``max_size``) and files,
     ``full`` first (added as the quality reference when no policy keeps everything)."""
-    from confkv.bench.suite import baseline_policy, row_name
-
     dynamic = scaled_dynamic(spec.scale)
     out: list[tuple[str, CachePolicy]] = []
     names = list(dict.fromkeys(names))  # a name given twice is one row
@@ -338,148 +338,46 @@ def run_throughput(
         "policy_settings": {name: p.model_dump(mode="json") for name, p in chosen},
     }
     traces: dict[str, dict[str, list]] = {}
-    for scenario in scenarios:
-        requests = base if scenario == "burst" else with_poisson_arrivals(base, spec.arrival_rate, seed)
-        results: dict[str, StreamResult] = {}
-        for name, policy in chosen:
-            t0 = time.perf_counter()
-            llm = LLM(model, policy, loaded=loaded, kv_cache_memory=pool_bytes, max_batch_size=spec.max_batch_size,
-                      max_num_batched_tokens=spec.max_num_batched_tokens, seed=seed)  # fmt: skip
-            results[name] = run_engine_stream(llm, requests)
-            m = results[name].metrics
-            log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
-                f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s "
-                f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
-        reference = results[next(n for n, p in chosen if p.controller == "full")]
-        full_rps = reference.metrics["requests_per_s"]
-        section: dict[str, Any] = {"policies": {}}
-        for name, result in results.items():
-            section["policies"][name] = {
-                **result.metrics,
-                **_quality(result, reference),
-                "requests_per_s_vs_full": result.metrics["requests_per_s"] / full_rps,
-            }
-        if hf:
-            t0 = time.perf_counter()
-            hf_loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
-            static = run_hf_static(hf_loaded, requests, spec.full_fits)
-            section["hf_static"] = {**static.metrics, **_quality(static, reference)}
-            results["hf_static"] = static
-            log(f"{scenario} hf_static: {static.metrics['requests_per_s']:.3f} req/s "
-                f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
-        if scenario == "burst":
-            out.update(section)
-        else:
-            out[scenario] = {"arrival_rate": spec.arrival_rate, **section}
-        traces[scenario] = {name: r.running for name, r in results.items()}
+    runs = len(scenarios) * (len(chosen) + (1 if hf else 0))
+    with stage(f"throughput on {model}", total=runs, unit="runs") as progress:
+        for scenario in scenarios:
+            requests = base if scenario == "burst" else with_poisson_arrivals(base, spec.arrival_rate, seed)
+            results: dict[str, StreamResult] = {}
+            for name, policy in chosen:
+                t0 = time.perf_counter()
+                llm = LLM(model, policy, loaded=loaded, kv_cache_memory=pool_bytes, max_batch_size=spec.max_batch_size,
+                          max_num_batched_tokens=spec.max_num_batched_tokens, seed=seed)  # fmt: skip
+                progress.set_note(f"{scenario} {name}")
+                results[name] = run_engine_stream(llm, requests)
+                progress.update(1)
+                m = results[name].metrics
+                log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
+                    f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s "
+                    f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
+            reference = results[next(n for n, p in chosen if p.controller == "full")]
+            full_rps = reference.metrics["requests_per_s"]
+            section: dict[str, Any] = {"policies": {}}
+            for name, result in results.items():
+                section["policies"][name] = {
+                    **result.metrics,
+                    **_quality(result, reference),
+                    "requests_per_s_vs_full": result.metrics["requests_per_s"] / full_rps,
+                }
+            if hf:
+                t0 = time.perf_counter()
+                hf_loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
+                progress.set_note(f"{scenario} hf_static")
+                static = run_hf_static(hf_loaded, requests, spec.full_fits)
+                progress.update(1)
+                section["hf_static"] = {**static.metrics, **_quality(static, reference)}
+                results["hf_static"] = static
+                log(f"{scenario} hf_static: {static.metrics['requests_per_s']:.3f} req/s "
+                    f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
+            if scenario == "burst":
+                out.update(section)
+            else:
+                out[scenario] = {"arrival_rate": spec.arrival_rate, **section}
+            traces[scenario] = {name: r.running for name, r in results.items()}
     out["running_trace"] = traces
     out["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------- report
-def _sections(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    out = [("burst", results)] if "policies" in results else []
-    if "poisson" in results:
-        out.append(("poisson", results["poisson"]))
-    return out
-
-
-def _fmt(v: Any, spec: str) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
-
-
-def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    """``results.json``, ``report.md`` and two plots (requests/s and TTFT by policy; running sequences over time)."""
-    import json
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"results": out / "results.json", "report": out / "report.md", "rates": out / "throughput.png",
-             "running": out / "running.png"}  # fmt: skip
-    paths["results"].write_text(json.dumps(results, indent=2))
-
-    s = results["settings"]
-    outputs = f"outputs {s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (mean {s['output_tokens_mean']:.0f})"
-    if s.get("max_tokens"):
-        outputs = f"outputs of {s['max_tokens']} tokens each"
-    lines = [
-        f"# Throughput: {results['model']} ({results['created']}, commit `{results['commit']}`)",
-        "",
-        f"{s['requests']} requests, prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} tokens (mean "
-        f"{s['prompt_tokens_mean']:.0f}), {outputs}; KV pool {s['kv_cache_memory_bytes'] / 2**20:.0f} MiB = "
-        f"{s['full_fits']} full-cache sequences of the longest request; max_batch_size {s['max_batch_size']}; "
-        f"{s['device']}, {s['threads']} threads; {s['seconds']:.0f} s in all.",
-    ]
-    for scenario, sec in _sections(results):
-        title = "all requests submitted at the start" if scenario == "burst" else (
-            f"Poisson arrivals at {sec['arrival_rate']} requests/s")  # fmt: skip
-        lines += ["", f"## {scenario}: {title}", "",
-                  "| policy | req/s | vs full | out tok/s | mean running | TTFT p50 s | TTFT p99 s | latency p50 s | "
-                  "latency p99 s | preemptions | peak pool % | KV % | ROUGE-L vs full | exact vs full |",
-                  "|:---|" + "---:|" * 13]  # fmt: skip
-        rows = dict(sec["policies"])
-        if "hf_static" in sec:
-            rows["hf_static"] = sec["hf_static"]
-        full_rps = sec["policies"].get("full", {}).get("requests_per_s")
-        for name, m in rows.items():
-            ratio = m["requests_per_s"] / full_rps if full_rps else None
-            peak = m.get("peak_pool_usage")
-            kvf = m.get("kv_fraction_mean")
-            lines.append(
-                f"| `{name}` | {m['requests_per_s']:.3f} | {_fmt(ratio, '.2f')}x | {m['output_tokens_per_s']:.1f} | "
-                f"{_fmt(m.get('mean_running'), '.1f')} | {_fmt(m['ttft_p50_s'], '.1f')} | "
-                f"{_fmt(m['ttft_p99_s'], '.1f')} | {_fmt(m['latency_p50_s'], '.1f')} | "
-                f"{_fmt(m['latency_p99_s'], '.1f')} | {_fmt(m.get('preemptions'), 'd')} | "
-                f"{_fmt(None if peak is None else 100 * peak, '.0f')} | "
-                f"{_fmt(None if kvf is None else 100 * kvf, '.0f')} | {_fmt(m.get('rougeL_vs_full'), '.3f')} | "
-                f"{_fmt(m.get('exact_match_vs_full'), '.2f')} |"
-            )
-    lines += ["", f"![requests/s and TTFT]({paths['rates'].name})", ""]
-    lines += [f"![running sequences]({paths['running'].name})"]
-    paths["report"].write_text("\n".join(lines) + "\n")
-
-    sections = _sections(results)
-    fig, axes = plt.subplots(len(sections), 2, figsize=(10, 3.4 * len(sections)), squeeze=False)
-    for row, (scenario, sec) in enumerate(sections):
-        rows = dict(sec["policies"])
-        if "hf_static" in sec:
-            rows["hf_static"] = sec["hf_static"]
-        names = list(rows)
-        axes[row][0].bar(names, [rows[n]["requests_per_s"] for n in names], color="tab:blue")
-        axes[row][0].set_ylabel("requests/s")
-        axes[row][0].set_title(f"{scenario}: requests/s")
-        axes[row][1].bar(names, [rows[n]["ttft_p50_s"] or 0 for n in names], color="tab:orange", label="p50")
-        axes[row][1].scatter(names, [rows[n]["ttft_p99_s"] or 0 for n in names], color="k", marker="_", s=300,
-                             label="p99")  # fmt: skip
-        axes[row][1].set_ylabel("time to first token (s)")
-        axes[row][1].set_title(f"{scenario}: TTFT")
-        axes[row][1].legend()
-        for ax in axes[row]:
-            ax.tick_params(axis="x", rotation=30)
-            ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(paths["rates"], dpi=120)
-    plt.close(fig)
-
-    traces = results.get("running_trace", {})
-    fig, axes = plt.subplots(1, max(1, len(traces)), figsize=(6 * max(1, len(traces)), 3.6), squeeze=False)
-    for ax, (scenario, per_policy) in zip(axes[0], traces.items(), strict=False):
-        for name, points in per_policy.items():
-            if points:
-                xs, ys = zip(*points, strict=True)
-                ax.step(xs, ys, where="post", label=name, lw=1)
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("running sequences")
-        ax.set_title(f"{scenario}: running sequences over time")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(paths["running"], dpi=120)
-    plt.close(fig)
-    return paths

@@ -1,0 +1,114 @@
+"""The throughput suite's report (``confkv bench --suite throughput``): ``results.json``, ``report.md`` with one
+table per scenario, and two plots (requests/s and time to first token by policy; running sequences over time)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _sections(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    out = [("burst", results)] if "policies" in results else []
+    if "poisson" in results:
+        out.append(("poisson", results["poisson"]))
+    return out
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """``results.json``, ``report.md`` and two plots (requests/s and TTFT by policy; running sequences over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"results": out / "results.json", "report": out / "report.md", "rates": out / "throughput.png",
+             "running": out / "running.png"}  # fmt: skip
+    paths["results"].write_text(json.dumps(results, indent=2))
+
+    s = results["settings"]
+    outputs = f"outputs {s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (mean {s['output_tokens_mean']:.0f})"
+    if s.get("max_tokens"):
+        outputs = f"outputs of {s['max_tokens']} tokens each"
+    lines = [
+        f"# Throughput: {results['model']} ({results['created']}, commit `{results['commit']}`)",
+        "",
+        f"{s['requests']} requests, prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} tokens (mean "
+        f"{s['prompt_tokens_mean']:.0f}), {outputs}; KV pool {s['kv_cache_memory_bytes'] / 2**20:.0f} MiB = "
+        f"{s['full_fits']} full-cache sequences of the longest request; max_batch_size {s['max_batch_size']}; "
+        f"{s['device']}, {s['threads']} threads; {s['seconds']:.0f} s in all.",
+    ]
+    for scenario, sec in _sections(results):
+        title = "all requests submitted at the start" if scenario == "burst" else (
+            f"Poisson arrivals at {sec['arrival_rate']} requests/s")  # fmt: skip
+        lines += ["", f"## {scenario}: {title}", "",
+                  "| policy | req/s | vs full | out tok/s | mean running | TTFT p50 s | TTFT p99 s | latency p50 s | "
+                  "latency p99 s | preemptions | peak pool % | KV % | ROUGE-L vs full | exact vs full |",
+                  "|:---|" + "---:|" * 13]  # fmt: skip
+        rows = dict(sec["policies"])
+        if "hf_static" in sec:
+            rows["hf_static"] = sec["hf_static"]
+        full_rps = sec["policies"].get("full", {}).get("requests_per_s")
+        for name, m in rows.items():
+            ratio = m["requests_per_s"] / full_rps if full_rps else None
+            peak = m.get("peak_pool_usage")
+            kvf = m.get("kv_fraction_mean")
+            lines.append(
+                f"| `{name}` | {m['requests_per_s']:.3f} | {_fmt(ratio, '.2f')}x | {m['output_tokens_per_s']:.1f} | "
+                f"{_fmt(m.get('mean_running'), '.1f')} | {_fmt(m['ttft_p50_s'], '.1f')} | "
+                f"{_fmt(m['ttft_p99_s'], '.1f')} | {_fmt(m['latency_p50_s'], '.1f')} | "
+                f"{_fmt(m['latency_p99_s'], '.1f')} | {_fmt(m.get('preemptions'), 'd')} | "
+                f"{_fmt(None if peak is None else 100 * peak, '.0f')} | "
+                f"{_fmt(None if kvf is None else 100 * kvf, '.0f')} | {_fmt(m.get('rougeL_vs_full'), '.3f')} | "
+                f"{_fmt(m.get('exact_match_vs_full'), '.2f')} |"
+            )
+    lines += ["", f"![requests/s and TTFT]({paths['rates'].name})", ""]
+    lines += [f"![running sequences]({paths['running'].name})"]
+    paths["report"].write_text("\n".join(lines) + "\n")
+
+    sections = _sections(results)
+    fig, axes = plt.subplots(len(sections), 2, figsize=(10, 3.4 * len(sections)), squeeze=False)
+    for row, (scenario, sec) in enumerate(sections):
+        rows = dict(sec["policies"])
+        if "hf_static" in sec:
+            rows["hf_static"] = sec["hf_static"]
+        names = list(rows)
+        axes[row][0].bar(names, [rows[n]["requests_per_s"] for n in names], color="tab:blue")
+        axes[row][0].set_ylabel("requests/s")
+        axes[row][0].set_title(f"{scenario}: requests/s")
+        axes[row][1].bar(names, [rows[n]["ttft_p50_s"] or 0 for n in names], color="tab:orange", label="p50")
+        axes[row][1].scatter(names, [rows[n]["ttft_p99_s"] or 0 for n in names], color="k", marker="_", s=300,
+                             label="p99")  # fmt: skip
+        axes[row][1].set_ylabel("time to first token (s)")
+        axes[row][1].set_title(f"{scenario}: TTFT")
+        axes[row][1].legend()
+        for ax in axes[row]:
+            ax.tick_params(axis="x", rotation=30)
+            ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(paths["rates"], dpi=120)
+    plt.close(fig)
+
+    traces = results.get("running_trace", {})
+    fig, axes = plt.subplots(1, max(1, len(traces)), figsize=(6 * max(1, len(traces)), 3.6), squeeze=False)
+    for ax, (scenario, per_policy) in zip(axes[0], traces.items(), strict=False):
+        for name, points in per_policy.items():
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.step(xs, ys, where="post", label=name, lw=1)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("running sequences")
+        ax.set_title(f"{scenario}: running sequences over time")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(paths["running"], dpi=120)
+    plt.close(fig)
+    return paths
