@@ -90,7 +90,7 @@ class CachePolicy(BaseModel):
         gt=0,
         le=1,
         description="pool use the breaker shrinks back under and where admission of evicting policies stops "
-        "(default: memory_high_watermark - 0.1)",
+        "(default: memory_high_watermark - 0.1, or half the high mark when that is higher)",
     )
     snapkv_window: int = Field(
         32, ge=1, le=MAX_TOKENS, description="prompt queries that vote for the tokens snapkv keeps"
@@ -302,7 +302,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field("smollm2-135m", description="'smollm2-135m', 'tiny-random', or a local Hugging Face folder")
+    model: str = Field(
+        "smollm2-135m", description="'smollm2-135m', 'tiny-random', a local Hugging Face folder or a .gguf file"
+    )
     device: str | None = Field(None, description="torch device; default cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_cache_memory: ByteSize | None = Field(None, gt=0, description="bytes for the device KV pool ('1GiB')")

@@ -118,12 +118,12 @@ def baseline_policy(dynamic: CachePolicy, name: str, budget: int | None = None) 
     )
 
 
-#: Speeds of the engine on this repository's 2-core CPU with smollm2-135m in fp32: prompt tokens read per second,
-#: and tokens decoded per second by batch size (the whole batch's tokens).
+#: The estimator's assumed speeds of smollm2-135m in fp32 on 2 CPU cores: prompt tokens read per second, and tokens
+#: decoded per second by batch size (the whole batch's tokens). The CPU differs between machines: an estimate.
 CPU_PREFILL_TOKENS_PER_S = 400.0
 CPU_DECODE_TOKENS_PER_S: tuple[tuple[int, float], ...] = ((1, 15.0), (4, 40.0), (16, 100.0))
-#: The quick suite's measured run time with cached references (BENCHMARKS.md, six policies): it calibrates the
-#: overheads the rates leave out (engine set-up, per-chunk Python work, recall and recomputation).
+#: The quick suite's run time with cached references (BENCHMARKS.md, "The quick suite": 500 s at fc4669a, six
+#: policies): it calibrates the overheads the rates leave out (engine set-up, per-chunk Python work, recall).
 QUICK_MEASURED_SECONDS = 500.0
 _LONGGEN_PROMPT_TOKENS = 70  # the chat template plus one request
 _SHORT_CHAT_TOKENS_PER_TURN = 45  # a small-talk pair with its template tokens
@@ -172,7 +172,7 @@ def _raw_seconds(spec: SuiteSpec) -> tuple[float, float]:
 
 
 def estimate_seconds(spec: SuiteSpec, num_policies: int, *, references: bool = True) -> dict[str, float]:
-    """How long a suite takes on this repository's 2-core CPU with smollm2-135m: a range, not a promise.
+    """How long a suite takes with smollm2-135m on 2 CPU cores like the ones measured: a range, not a promise.
 
     ``low`` is the measured token rates applied to the suite's sizes; ``high`` scales that by how far the quick
     suite's measured run time exceeded the same estimate (overheads the rates leave out). ``references``: include

@@ -83,9 +83,9 @@ class DynamicController(Controller):
     """CONF-KV: the budget follows the model's confidence between ``base_size`` and ``max_size`` (any scorer)."""
 
     name = "dynamic"
-    #: snapkv: at equal mean memory it loses less than h2o's accumulated attention on every workload measured
-    #: (BENCHMARKS.md, "What makes dynamic lose"), and it records no decode attention, so decode steps keep the
-    #: fused attention kernel.
+    #: snapkv: at equal mean memory it lost less than h2o's accumulated attention on every workload measured
+    #: (docs/history/2026-12-05-benchmarks.md, "Choices made"), and it records no decode attention, so decode steps
+    #: keep the fused attention kernel.
     default_scorer = "snapkv"
     recalls = True
 
