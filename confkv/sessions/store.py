@@ -176,19 +176,25 @@ class SessionStore:
         return record
 
     def _check_tokens(self, sid: str, record: SessionRecord) -> None:
-        """The tokens object beside a sound record must say what the record says: it is what expiry reads and what
-        recomputation falls back on. A damaged, missing or disagreeing one is counted as a corrupt fault and
-        written again from the record (a few KiB); a store that does not answer now is left for the next read."""
+        """The tokens object beside a sound record is what expiry reads and what recomputation falls back on, so an
+        unreadable one (corrupt, another session's) or a missing one is counted as a corrupt fault and written again
+        from the record (a few KiB). A readable one that disagrees with the record is left alone: ``put`` writes the
+        tokens first, so that is a put in flight or one whose second write failed, and the tokens are the newer.
+        A missing one counts only while the record is still there: ``delete`` removes the record first, so otherwise
+        it is a delete in flight. A store that does not answer now is left for the next read."""
         try:
-            tokens = self._load(sid, TOKENS_SUFFIX, decode_tokens, None)
-            damaged = tokens.token_ids != record.token_ids or tokens.updated_at != record.updated_at
+            self._load(sid, TOKENS_SUFFIX, decode_tokens, None)
+            return
         except StoreUnavailable:
             return
+        except RecordMissing:
+            try:
+                self._op("info", self._key(sid, RECORD_SUFFIX))
+            except (FileNotFoundError, StoreUnavailable):
+                return
         except SessionStoreError:
-            damaged = True
-        if not damaged:
-            return
-        self._fault(CorruptRecord("the tokens object does not match its record; written again from it"), sid)
+            pass
+        self._fault(CorruptRecord("the tokens object beside the record is unreadable or missing; written again"), sid)
         self._bump(tokens_repaired=1)
         try:
             self._write(self._key(sid, TOKENS_SUFFIX), encode_tokens_object(record, level=self.level))
