@@ -30,7 +30,7 @@ def seeing_network(where: Path) -> Path:
     """A knobs network whose action depends on what it observes (random weights)."""
     g = torch.Generator().manual_seed(3)
     layers = [(torch.randn(8, OBS_DIM, generator=g), torch.zeros(8), "tanh"),
-              (torch.randn(5, 8, generator=g), torch.zeros(5), "none")]  # fmt: skip
+              (torch.randn(5, 8, generator=g) * 0.3, torch.zeros(5), "none")]  # fmt: skip
     return MLPPolicy(layers=layers, action="knobs").save(where, BASE)
 
 
@@ -97,3 +97,19 @@ def test_the_gate_refuses_a_network_that_ignores_its_input(tmp_path, capsys):
     assert tune_main(["promote", "blind", "2", "--check", "prose", "--registry-url", url]) == 0
     assert reg.alias_version("blind") == 2
     assert np.isfinite(reg.evaluations("blind")[-1].reward)
+
+
+def test_recording_the_decisions_changes_nothing_the_network_does(tmp_path):
+    from confkv.config import load_policy_file
+    from envs.constant import evaluate_with_actions
+    from envs.env import RewardWeights
+    from envs.episodes import build_episodes
+    from envs.evaluate import evaluate_policy
+
+    data = build_episodes("tiny-random", workload="prose", split="heldout")
+    policy = load_policy_file(seeing_network(tmp_path / "seeing"))
+    plain = evaluate_policy(data, policy, RewardWeights())
+    recorded, decisions = evaluate_with_actions(data, policy, RewardWeights())
+    assert [r["reward"] for r in recorded["per_episode"]] == [r["reward"] for r in plain["per_episode"]]
+    assert len(decisions) >= sum(r["segments"] for r in plain["per_episode"]) - len(plain["per_episode"])
+    assert len({d["entropy_threshold"] for d in decisions}) > 2  # it acts on what it sees
