@@ -24,13 +24,14 @@ import torch
 
 from confkv.bench.scored import score_items
 from confkv.config import CachePolicy
+from confkv.controllers import Controller
 from confkv.progress import stage
 from confkv.scoring import ScoreResult
 from envs.env import ConfKVVecEnv, RewardWeights, reward_of
 from envs.episodes import Episode, TuneData
 
 
-def _segments(n: int, chunk: int) -> list[slice]:
+def segments(n: int, chunk: int) -> list[slice]:
     """The environment's segments: the first scored token alone, then ``chunk`` tokens at a time."""
     out = [slice(0, 1)]
     i = 1
@@ -106,14 +107,17 @@ def evaluate_policy(
     weights: RewardWeights | None = None,
     episodes: list[Episode] | None = None,
     label: str | None = None,
+    controller: Controller | None = None,
 ) -> dict[str, Any]:
     """Every episode scored once under ``policy``, all in one batch: the figures and reward of the module docstring.
-    ``label`` names the progress stage (``confkv.progress``) that counts the episodes as they finish."""
+    ``label`` names the progress stage (``confkv.progress``) that counts the episodes as they finish; ``controller``
+    (built for ``policy``) replaces the engine's own, e.g. to record a network's decisions (``envs.constant``)."""
     weights = weights or RewardWeights()
     episodes = episodes or data.episodes
     llm = data.llm(policy, max_batch_size=len(episodes))
     with stage(label or f"evaluate {policy.controller}", total=len(episodes), unit="episodes") as progress:
-        results = score_items(llm.engine, [ep.item for ep in episodes], on_done=lambda _: progress.update(1))
+        results = score_items(llm.engine, [ep.item for ep in episodes], on_done=lambda _: progress.update(1),
+                              controller=controller)  # fmt: skip
     return _from_results(episodes, results, policy.compact_interval, weights)
 
 
@@ -124,17 +128,17 @@ def _from_results(
     tok = {"resident": 0.0, "full": 0.0, "kl": 0.0, "n": 0.0, "prose_nll": 0.0, "prose_n": 0.0}
     for ep, r in zip(episodes, results, strict=True):
         kl = r.kl if r.kl is not None else torch.zeros(r.num_tokens)
-        segments = _segments(r.num_tokens, chunk)
-        reward = sum(reward_of(weights, r.resident[s], r.full[s], kl[s]) for s in segments)
+        segs = segments(r.num_tokens, chunk)
+        reward = sum(reward_of(weights, r.resident[s], r.full[s], kl[s]) for s in segs)
         row: dict[str, Any] = {
             "item": ep.item_id,
             "workload": ep.workload,
             "kv_fraction": r.kv_fraction,
             "kl": float(kl.mean()),
-            "segments": len(segments),
+            "segments": len(segs),
             "reward_memory": weights.memory_weight
-            * sum(1.0 - float((r.resident[s].float() / r.full[s].float()).mean()) for s in segments),
-            "reward_kl": -weights.quality_weight * sum(float(kl[s].mean()) for s in segments),
+            * sum(1.0 - float((r.resident[s].float() / r.full[s].float()).mean()) for s in segs),
+            "reward_kl": -weights.quality_weight * sum(float(kl[s].mean()) for s in segs),
         }
         if ep.task is not None and r.greedy_match is not None:
             a, b = ep.task

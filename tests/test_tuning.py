@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env as gym_check_env
@@ -16,7 +17,7 @@ from stable_baselines3.common.env_checker import check_env as sb3_check_env
 from agents.rule import RuleAgent
 from confkv import LLM, SamplingParams
 from confkv.config import load_policy_file
-from confkv.controllers.learned import OBS_DIM, KnobSpace, MLPPolicy
+from confkv.controllers.learned import OBS_DIM, OBS_NAMES, KnobSpace, MLPPolicy
 from confkv.errors import ConfkvError
 from envs.env import ConfKVEnv, ConfKVVecEnv, RewardWeights
 from envs.episodes import build_episodes, hold_out, scaled_sizes
@@ -127,6 +128,7 @@ def test_train_logs_mlflow_and_exports_a_policy_confkv_runs(tmp_path, monkeypatc
     assert policy.controller == ("learned" if algo == "ppo" else "dynamic")
 
     import mlflow
+    import mlflow.pyfunc
 
     mlflow.set_tracking_uri("sqlite:///mlflow.db")
     client = mlflow.MlflowClient()
@@ -147,6 +149,15 @@ def test_train_logs_mlflow_and_exports_a_policy_confkv_runs(tmp_path, monkeypatc
         assert [m.step for m in evals] == [0, 32, 64]
         # before any update the agent is the base policy (the knob map is centred on it)
         assert evals[0].value == pytest.approx(run.data.metrics["default_reward"], abs=0.05)
+        # the exported network is also an MLflow model, linked to the registry version it became
+        model = mlflow.pyfunc.load_model(run.data.tags["confkv.pyfunc_model_uri"])
+        assert model.metadata.metadata["confkv.registry.ref"] == summary["registry"]["ref"]
+        obs = np.random.default_rng(0).random((5, OBS_DIM), dtype=np.float32)
+        mlp = MLPPolicy.load(policy_dir)
+        space = mlp.resolved_space(policy)
+        expected = [space.knobs(mlp.act(o)) for o in obs]
+        got = model.predict(pd.DataFrame(obs, columns=list(OBS_NAMES)))
+        np.testing.assert_allclose(got.to_numpy(), pd.DataFrame(expected)[list(space.names)].to_numpy(), rtol=1e-6)
     else:
         import optuna
 

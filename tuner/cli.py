@@ -10,6 +10,7 @@
     confkv-tune promote NAME VERSION [--alias production] [--reason TEXT] [--check WORKLOAD] [--force]
     confkv-tune rollback NAME [--alias production]
     confkv-tune export NAME@ALIAS|NAME@VERSION|RUN_ID|FOLDER --out PATH
+    confkv-tune probe --model M [--workloads prose,chat,longgen,passkey] [--items 12] --out DIR
     confkv-tune demo --model M --policy-file OUT/policy [--summary OUT/summary.json] [--out OUT/demo.json]
 
 POLICY is a YAML policy file, an exported policy folder, a ``registry://NAME@ALIAS`` reference, a built-in policy
@@ -39,6 +40,7 @@ from collections.abc import Callable, Sequence
 from confkv.cli import package_version
 from confkv.errors import ConfkvError
 from tuner.demo import add_demo_command, cmd_demo
+from tuner.probe import add_probe_command, cmd_probe
 from tuner.review import cmd_compare, cmd_eval, cmd_export
 from tuner.train import DEFAULT_TRIALS, cmd_train
 
@@ -194,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "SQLite file ~/.local/share/confkv/registry.db)")  # fmt: skip
 
     add_demo_command(sub)
+    add_probe_command(sub)
     from tuner.registry_cli import add_registry_commands
 
     add_registry_commands(sub)
@@ -230,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tuner import registry_cli as rc
 
     commands = {
-        "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare, "demo": cmd_demo,
+        "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare, "demo": cmd_demo, "probe": cmd_probe,
         "export": rc.wrap_exit1(cmd_export),
         "register": rc.wrap_exit1(rc.cmd_register), "policies": rc.wrap_exit1(rc.cmd_policies),
         "promote": rc.wrap_exit1(rc.cmd_promote), "rollback": rc.wrap_exit1(rc.cmd_rollback),

@@ -6,6 +6,11 @@ minus weighted KL to the full cache, plus the task bonus), so the gate judges by
 trained for, on items none of them trained on. Both evaluations are recorded in the registry whatever the
 verdict. The verdict compares the mean episode reward; a tie passes (an equal policy is no regression).
 
+A learned policy that sets the rule's knobs must also beat its own constant (``envs.constant``): the plain
+``dynamic`` rule with the network's median knobs over the decisions it took on the same items. Its per-item
+reward margin needs a 95% bootstrap interval above zero; otherwise the network is a constant Optuna could have
+found, and its promotion is refused (with the margin recorded beside its evaluation).
+
 Neither MLflow nor Optuna gates an alias move; this is the step between "a run found something" and "production".
 """
 
@@ -38,22 +43,38 @@ class GateResult:
     weights: dict[str, float] = field(default_factory=dict)
     note: str | None = None  # why there is no current side although the alias is set
     seen_version: int | None = None  # what the alias pointed at when the check began (the promotion's expected)
+    constant: Any = None  # ``envs.constant.ConstantCheck`` of a learned knobs candidate
+
+    @property
+    def beats_current(self) -> bool:
+        return self.current is None or self.candidate.metrics["reward"] >= self.current.metrics["reward"]
+
+    @property
+    def beats_constant(self) -> bool:
+        return self.constant is None or self.constant.margin.above_zero
 
     @property
     def passed(self) -> bool:
-        return self.current is None or self.candidate.metrics["reward"] >= self.current.metrics["reward"]
+        return self.beats_current and self.beats_constant
+
+    def _constant_verdict(self) -> str:
+        c = self.constant
+        rel = "beats" if self.beats_constant else "does not beat"
+        return f"candidate v{self.candidate.version} {rel} its own constant: margin {c.margin.text()}"
 
     def verdict(self) -> str:
         c = self.candidate
-        if self.current is None:
-            return f"pass: {self.note or f'{self.policy}@{self.alias} holds no other version to compare against'}"
-        cur = self.current
-        rel = ">=" if self.passed else "<"
         word = "pass" if self.passed else "refused"
-        return (
-            f"{word}: candidate v{c.version} reward {c.metrics['reward']:.4f} {rel} "
-            f"{self.alias} v{cur.version} reward {cur.metrics['reward']:.4f} on {self.workload}/{SPLIT}"
-        )
+        if self.current is None:
+            head = self.note or f"{self.policy}@{self.alias} holds no other version to compare against"
+        else:
+            cur = self.current
+            rel = ">=" if self.beats_current else "<"
+            head = (f"candidate v{c.version} reward {c.metrics['reward']:.4f} {rel} {self.alias} v{cur.version} "
+                    f"reward {cur.metrics['reward']:.4f} on {self.workload}/{SPLIT}")  # fmt: skip
+        if self.constant is not None:
+            head = f"{head}; {self._constant_verdict()}"
+        return f"{word}: {head}"
 
     def table(self) -> str:
         """The two results side by side."""
@@ -70,6 +91,9 @@ class GateResult:
             a = _fmt(self.candidate.metrics.get(key))
             b = _fmt(self.current.metrics.get(key)) if self.current else "-"
             lines.append(f"{key:<14}{a:>18}{b:>22}")
+        if self.constant is not None:
+            knobs = ", ".join(f"{k} {v:g}" for k, v in self.constant.knobs.items())
+            lines.append(f"its constant: dynamic with {knobs}: reward {self.constant.constant['reward']:.4f}")
         lines.append(self.verdict())
         return "\n".join(lines)
 
@@ -96,6 +120,7 @@ def run_gate(
     sizes: dict[str, dict[str, Any]] | None = None,
 ) -> GateResult:
     """Evaluate the candidate and the alias's current version on ``workload``'s held-out split; record both."""
+    from envs.constant import check_against_constant, is_knobs_network
     from envs.env import RewardWeights
     from envs.episodes import TUNE_WORKLOADS, build_episodes
     from envs.evaluate import evaluate_policy
@@ -112,14 +137,22 @@ def run_gate(
         raise RegistryError(f"no model is recorded for {cand.ref}; pass --model")
     data = build_episodes(model, workload=workload, split=SPLIT, seed=seed, device=device, sizes=sizes)
 
-    def side(version: int) -> GateSide:
+    checks: dict[int, Any] = {}
+
+    def side(version: int, against_constant: bool = False) -> GateSide:
         _, policy, _ = registry.load(name, version)
-        metrics = evaluate_policy(data, policy, weights)
-        recorded = {**metrics, "seed": seed, "weights": dict(weights.__dict__)}
+        extra: dict[str, Any] = {}
+        if against_constant and is_knobs_network(policy):
+            checks[version] = check = check_against_constant(data, policy, weights, seed, label=f"v{version}")
+            metrics, extra = check.learned, {"state_dependence": check.to_dict()}
+        else:
+            metrics = evaluate_policy(data, policy, weights)
+        recorded = {**metrics, **extra, "seed": seed, "weights": dict(weights.__dict__)}
         registry.add_evaluation(name, version, workload, SPLIT, recorded, model=model)
         return GateSide(version, metrics)
 
-    result = GateResult(name, alias, workload, model, side(cand.version), None, dict(weights.__dict__))
+    result = GateResult(name, alias, workload, model, side(cand.version, True), None, dict(weights.__dict__))
+    result.constant = checks.get(cand.version)
     result.seen_version = seen
     if seen == cand.version:
         result.note = f"{name}@{alias} already points at the candidate"

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from confkv.cli import out_folder
 from confkv.config import BUILTIN_POLICIES, CachePolicy, load_policy_file
@@ -53,6 +54,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from confkv.calibration import calibrated_thresholds
+    from envs.constant import evaluate_with_actions, is_knobs_network
     from envs.evaluate import evaluate_policy
     from tuner.tracking import check_tracking_uri, metric_key
 
@@ -80,15 +82,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
                  for item in args.policy}}  # fmt: skip
     with maybe_run(args, f"compare-{args.model}-{args.workload}-{args.split}", params, "compare"):
         rows = []
+        given = {item.partition("=")[0] for item in args.policy}
+        per_episode: dict[str, list[dict[str, Any]]] = {}
+        decisions: dict[str, list[dict[str, float]]] = {}
         with stage("compare", total=len(named), unit="policies") as progress:
             for name, policy in named:
-                m = summary_of(evaluate_policy(data, policy, reward_weights(args), label=f"evaluate {name}"))
+                label = f"evaluate {name}"
+                if name in given and is_knobs_network(policy):  # its decisions make its own constant
+                    full, decisions[name] = evaluate_with_actions(data, policy, reward_weights(args), label=label)
+                else:
+                    full = evaluate_policy(data, policy, reward_weights(args), label=label)
+                per_episode[name] = full["per_episode"]
+                m = summary_of(full)
                 rows.append({"policy": name, "controller": policy.controller, **m,
                              "retrieval_lost": bool(lost_retrieval(m))})  # fmt: skip
                 print(f"{name}: reward {m['reward']:.3f}, kv {100 * m['kv_fraction']:.1f}% kl {m['kl_mean']:.4f}",
                       file=sys.stderr)  # fmt: skip
                 progress.update(1)
-        (out / "compare.json").write_text(json.dumps(rows, indent=2))
+        policies = dict(named)
+        checks = state_dependence(data, args, policies, decisions, per_episode, rows,
+                                  [n for n in given if n not in decisions])  # fmt: skip
         fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
         pct = lambda v: None if v is None else 100 * v  # noqa: E731
         lines = [
@@ -107,6 +120,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
                   f"cache does on the same episodes (full: pass keys {fmt(pct(full_pk), '.0f')}%, multi-keys "
                   f"{fmt(pct(full_mk), '.0f')}%).", "", "## How the reward is made (mean per episode)", "",
                   *reward_table(rows), "", weights_note(rows)]  # fmt: skip
+        lines += state_dependence_lines(checks)
+        (out / "compare.json").write_text(json.dumps(rows, indent=2))
+        (out / "state_dependence.json").write_text(json.dumps(checks, indent=2))
         (out / "compare.md").write_text("\n".join(lines) + "\n")
         compare_plot(out / "compare.png", rows, f"{args.model}: {args.split} {args.workload}")
         if not args.no_mlflow:
@@ -115,10 +131,62 @@ def cmd_compare(args: argparse.Namespace) -> int:
             for r in rows:
                 flat = {**{k: v for k, v in r.items() if k not in ("policy", "controller")}, **term_metrics(r)}
                 log_metrics({f"{metric_key(r['policy'])}.{k}": v for k, v in flat.items()})
-            for name in ("compare.json", "compare.md", "compare.png"):
+            for name, check in checks.items():
+                for other, margin in check["margins"].items():
+                    log_metrics({f"{metric_key(name)}.margin_{metric_key(other)}{suffix}": margin[key]
+                                 for key, suffix in (("mean", ""), ("lo", "_lo"), ("hi", "_hi"))})  # fmt: skip
+            for name in ("compare.json", "compare.md", "compare.png", "state_dependence.json"):
                 log_artifact_file(out / name)
     print("\n".join(lines))
     return 0
+
+
+def state_dependence(
+    data: Any, args: argparse.Namespace, policies: dict[str, CachePolicy], decisions: dict[str, list[dict[str, float]]],
+    per_episode: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], rules: list[str],
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each learned knobs policy against its own constant (the ``dynamic`` rule with the network's median knobs over
+    the decisions it took here, evaluated and added to ``rows`` as ``NAME constant``) and against every rule policy
+    named with ``--policy`` (an Optuna result): per-item reward margins with 95% bootstrap intervals over items."""
+    from envs.constant import median_knobs, own_constant, paired_margin
+    from envs.evaluate import evaluate_policy
+
+    checks: dict[str, dict[str, Any]] = {}
+    for name, seen in decisions.items():
+        knobs = median_knobs(seen, policies[name])
+        constant = evaluate_policy(data, own_constant(policies[name], knobs), reward_weights(args),
+                                   label=f"evaluate {name}'s constant")  # fmt: skip
+        m = summary_of(constant)
+        rows.append({"policy": f"{name} constant", "controller": "dynamic", **m,
+                     "retrieval_lost": bool(lost_retrieval(m))})  # fmt: skip
+        margins = {"constant": paired_margin(per_episode[name], constant["per_episode"], seed=args.seed).to_dict()}
+        for other in rules:
+            margins[other] = paired_margin(per_episode[name], per_episode[other], seed=args.seed).to_dict()
+        checks[name] = {"knobs": knobs, "decisions": len(seen), "constant_reward": m["reward"],
+                        "constant_kv_fraction": m["kv_fraction"], "margins": margins}  # fmt: skip
+        print(f"{name} - its constant: {margins['constant']['mean']:+.4f} [{margins['constant']['lo']}, "
+              f"{margins['constant']['hi']}]", file=sys.stderr)  # fmt: skip
+    return checks
+
+
+def state_dependence_lines(checks: dict[str, dict[str, Any]]) -> list[str]:
+    """The report's section on whether each learned policy uses what it sees."""
+    if not checks:
+        return []
+    ci = lambda m: f"{m['mean']:+.4f} [{m['lo']:+.4f}, {m['hi']:+.4f}]" if m["lo"] is not None else f"{m['mean']:+.4f}"  # noqa: E731
+    lines = ["", "## State dependence: each learned policy against its own constant", "",
+             "Its constant is the plain `dynamic` rule with the network's median knobs over the decisions it took on "
+             "these items (row `NAME constant` above). Margin: mean per-item reward difference, 95% bootstrap "
+             "interval over items; a network that uses what it sees beats its constant with the interval above 0.",
+             "", "| policy | decisions | its constant's knobs | margin over its constant | beats it | other margins |",
+             "|:---|---:|:---|---:|:---|:---|"]  # fmt: skip
+    for name, c in checks.items():
+        knobs = ", ".join(f"{k} {v:g}" for k, v in c["knobs"].items())
+        m = c["margins"]["constant"]
+        others = "; ".join(f"vs {o}: {ci(v)}" for o, v in c["margins"].items() if o != "constant") or "-"
+        lines.append(f"| {name} | {c['decisions']} | {knobs} | {ci(m)} | {'yes' if m['above_zero'] else '**no**'} | "
+                     f"{others} |")  # fmt: skip
+    return lines
 
 
 def cmd_export(args: argparse.Namespace) -> int:

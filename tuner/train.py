@@ -165,6 +165,11 @@ def _run(
         }
         if not args.no_register:
             summary["registry"] = _register_result(args, run.info.run_id, policy_dir, final, lineage)
+        if policy.controller == "learned":  # also an MLflow model whose predict maps observations to knobs
+            from tuner.pyfunc import log_policy_model
+
+            registered = summary.get("registry")
+            summary["pyfunc_model_uri"] = log_policy_model(policy_dir, registered["ref"] if registered else None)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from confkv.scoring import ScoreItem, Scorer, ScoreResult
 
 if TYPE_CHECKING:
+    from confkv.controllers import Controller
     from confkv.engine.engine import LLMEngine
 
 
@@ -23,10 +24,13 @@ def score_items(
     *,
     keep_topk: int = 0,
     on_done: Callable[[ScoreItem], None] | None = None,
+    controller: Controller | None = None,
 ) -> list[ScoreResult]:
-    """Score every item on ``engine`` (idle), as ``Scorer(engine).score`` does; ``on_done(item)`` per finished one."""
+    """Score every item on ``engine`` (idle), as ``Scorer(engine).score`` does; ``on_done(item)`` per finished one.
+    ``controller``: one controller instance for every item instead of the engine's own (as the engine shares its
+    own), e.g. one whose network records its decisions."""
     with Scorer(engine).session(keep_topk) as session:
-        indices = [session.add(item) for item in items]
+        indices = [session.add(item, controller) for item in items]
         while not session.finished:
             for st in session.step():
                 if st.done and on_done is not None:

@@ -56,6 +56,11 @@ from confkv.plugins import CONTROLLERS
 
 OBS_VERSION = 1
 OBS_DIM = 14
+#: The observation's entries by name, in order (the docstring's table): what an MLflow model's signature calls them.
+OBS_NAMES = (
+    "entropy_mean", "entropy_min", "entropy_max", "gap_mean", "gap_min", "gap_max", "top1_mean", "top1_min",
+    "top1_max", "uncertain_share", "budget", "resident_fraction", "position", "pool_use",
+)  # fmt: skip
 ENTROPY_SCALE = 12.0
 POSITION_SCALE = 8192.0
 #: policy.json format: 1 = three threshold knobs, linear mapping, lagged; 2 = ``KnobSpace`` + ``budget_rule``.
