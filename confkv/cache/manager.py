@@ -376,7 +376,7 @@ class CacheManager:
         if n <= 0:
             return []
         self.recall_queries += 1
-        keys = self.host.keys_of(kv.seq_id, host_idx).float()  # [L, n_host, bs, kvh, D]
+        keys = self.pool.dequant(self.host.keys_of(kv.seq_id, host_idx)).float()  # [L, n_host, bs, kvh, D]
         qh = q.to("cpu", torch.float32)
         logits = torch.einsum("lkgd,lnbkd->lkgnb", qh, keys) * self.scaling
         lse_host = torch.logsumexp(logits.flatten(-2), dim=-1)
@@ -435,7 +435,7 @@ class CacheManager:
         if resident:
             parts.append(view.keys().to("cpu", torch.float32))
         if host:
-            parts.append(self.host.keys_of(kv.seq_id, host).float())
+            parts.append(self.pool.dequant(self.host.keys_of(kv.seq_id, host)).float())
         keys = torch.cat(parts, dim=1)  # [L, n, bs, kvh, D]
         logits = torch.einsum("lkgd,lnbkd->lkgnb", q.to("cpu", torch.float32), keys) * self.scaling
         share = logits.flatten(-2).softmax(dim=-1).unflatten(-1, logits.shape[-2:]).sum(dim=-1)  # [L, kvh, g, n]

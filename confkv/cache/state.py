@@ -26,12 +26,19 @@ class KVStats:
     resident_sum: int = 0  # over generated tokens: tokens resident when each was computed
     resident_count: int = 0
 
-    def summary(self, full_tokens: int, bytes_per_block: int) -> dict[str, Any]:
-        """The ``kv`` fields every output reports (generation and scoring alike)."""
+    def summary(self, full_tokens: int, bytes_per_block: int, block_size: int) -> dict[str, Any]:
+        """The ``kv`` fields every output reports (generation and scoring alike). Tokens come with their bytes at the
+        pool's ``kv_cache_dtype``, the measure that compares a quantised cache with a float one."""
+        per_token = bytes_per_block / block_size
+        mean = self.resident_sum / self.resident_count if self.resident_count else 0.0
         return {
             "peak_resident_tokens": self.peak_resident_tokens,
-            "mean_resident_tokens": self.resident_sum / self.resident_count if self.resident_count else 0.0,
+            "mean_resident_tokens": mean,
             "full_tokens": full_tokens,
+            "bytes_per_token": per_token,
+            "peak_resident_bytes": round(self.peak_resident_tokens * per_token),
+            "mean_resident_bytes": mean * per_token,
+            "full_bytes": round(full_tokens * per_token),
             "peak_device_bytes": self.peak_device_blocks * bytes_per_block,
             "evicted_blocks": self.evicted_blocks,
             "recalled_blocks": self.recalled_blocks,

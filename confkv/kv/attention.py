@@ -116,8 +116,14 @@ def _decode_attention(
     # as 2-D because index_select copies rows of a 2-D tensor with memcpy but walks a 4-D one element by element
     by_block = (pool.num_blocks, bs * pool.num_kv_heads * pool.head_dim)
     unpacked = (n, -1, pool.num_kv_heads, pool.head_dim)
-    keys = pool.k[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
-    values = pool.v[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
+    if pool.codec is None:
+        keys = pool.k[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
+        values = pool.v[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
+    else:  # the same block copies of the stored rows, then one dequantisation of what was gathered
+        by_block = (pool.num_blocks, bs * pool.num_kv_heads * pool.row)
+        rows = (n, -1, pool.num_kv_heads, pool.row)
+        keys = pool.dequant(pool.k[layer].view(by_block).index_select(0, flat).view(rows)).transpose(1, 2)
+        values = pool.dequant(pool.v[layer].view(by_block).index_select(0, flat).view(rows)).transpose(1, 2)
     valid = batch.decode_valid
     if window is not None:
         valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
@@ -174,8 +180,8 @@ def _prefill_attention(
     if span.fresh:
         keys, values, key_slots, key_pos = k, v, span.key_slots, span.q_pos
     else:
-        keys = pool.k[layer][span.key_slots].transpose(0, 1)  # [kvh, L, D]
-        values = pool.v[layer][span.key_slots].transpose(0, 1)
+        keys = pool.dequant(pool.k[layer][span.key_slots]).transpose(0, 1)  # [kvh, L, D]
+        values = pool.dequant(pool.v[layer][span.key_slots]).transpose(0, 1)
         key_slots, key_pos = span.key_slots, span.key_pos
 
     def allowed(q_pos: torch.Tensor) -> torch.Tensor:  # [rows, L]
@@ -247,8 +253,7 @@ def confkv_attention(
     q = query[0].transpose(0, 1)  # [tokens, heads, D]
     k = key[0].transpose(0, 1)  # [tokens, kvh, D]
     v = value[0].transpose(0, 1)
-    pool.k[layer].index_copy_(0, batch.slot_mapping, k.to(pool.dtype))
-    pool.v[layer].index_copy_(0, batch.slot_mapping, v.to(pool.dtype))
+    pool.store(layer, batch.slot_mapping, k, v)
 
     out = torch.empty_like(q)
     captures: Captures = ([], [])
