@@ -150,3 +150,14 @@ def test_cli_refuses_a_bad_kv_cache_dtype_in_one_line(command: str, tmp_path) ->
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "kv_cache_dtype" in lines[0] and "e5m2" in lines[0], proc.stderr
+
+
+def test_fp8_decodes_every_byte_as_pytorch_converts_it() -> None:
+    """The CPU decoder moves e4m3 bits into float16's place instead of PyTorch's (slow) float8 conversion."""
+    codec = codec_for("fp8")
+    data = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    data = data[(data & 0x7F) != 0x7F]  # NaN: only a NaN input makes one, and its scale is NaN as well
+    scale = torch.tensor([0.37], dtype=torch.float16).view(torch.uint8)
+    rows = torch.cat([data, scale])[None]
+    expected = data.view(torch.float8_e4m3fn).float() * float(torch.tensor(0.37, dtype=torch.float16))
+    assert torch.equal(codec.decode(rows, torch.float32)[0], expected)
