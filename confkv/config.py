@@ -60,6 +60,11 @@ class CachePolicy(BaseModel):
     recent_share: float = Field(
         0.0, ge=0, le=1, description="share of the applied budget kept as the most recent tokens (at least min_recent)"
     )
+    demote_dtype: Literal["none", "int4", "int2"] = Field(
+        "none",
+        description="blocks the budget leaves out stay on the device at this precision and are still attended to "
+        "(a copy at the pool's precision goes to the host tier, for recall); none evicts them",
+    )
     expand_by: Literal["budget", "recall"] = Field(
         "budget",
         description="what an expansion grows: the applied budget (recalled blocks, then new tokens fill it), or only "

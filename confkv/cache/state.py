@@ -23,6 +23,7 @@ class KVStats:
     peak_device_blocks: int = 0
     host_bytes: int = 0
     host_peak_bytes: int = 0
+    demoted_peak_bytes: int = 0  # the most its demoted blocks (``demote_dtype``) held on the device
     resident_sum: int = 0  # over generated tokens: tokens resident when each was computed
     resident_count: int = 0
 
@@ -46,6 +47,7 @@ class KVStats:
             "dropped_blocks": self.dropped_blocks,
             "expansions": self.expansions,
             "host_peak_bytes": self.host_peak_bytes,
+            "demoted_peak_bytes": self.demoted_peak_bytes,
         }
 
     def record_compute(self, resident: int, device_blocks: int, generated: bool) -> None:

@@ -131,7 +131,7 @@ class LLMEngine:
             policy.memory_high_watermark,
             policy.low_watermark,
         )
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self.manager.demoted)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0

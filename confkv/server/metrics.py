@@ -99,6 +99,7 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "confkv:kv_cache_bytes_per_token": ("pool_bytes_per_token", "Bytes one token's K and V take in the pool."),
     "confkv:kv_cache_committed_blocks": ("committed_blocks", "KV blocks promised to admitted requests."),
     "confkv:host_cache_used_bytes": ("host_used_bytes", "Bytes of evicted KV held in the host tier."),
+    "confkv:demoted_kv_used_bytes": ("demoted_used_bytes", "Bytes of demoted (low-precision) KV on the device."),
     "confkv:breaker_tripped": ("breaker_tripped", "1 while the circuit breaker holds sequences at their floor."),
 }
 #: counters read from ``engine.stats()`` (monotonic there): metric name (without _total) -> (stats key, help)
