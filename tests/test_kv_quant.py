@@ -138,9 +138,9 @@ def test_bad_dtype_names_are_refused() -> None:
         codec_for("int2")
 
 
-@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
 def test_cli_refuses_a_bad_kv_cache_dtype_in_one_line(command: str, tmp_path) -> None:
-    extra = ["--prompt", "x"] if command == "generate" else ["--out", str(tmp_path / "b")]
+    extra = {"generate": ["--prompt", "x"], "bench": ["--out", str(tmp_path / "b")], "serve": []}[command]
     proc = subprocess.run(
         [sys.executable, "-m", "confkv.cli", command, "--model", "tiny-random", "--kv-cache-dtype", "e5m2", *extra],
         capture_output=True,
