@@ -119,3 +119,15 @@ def test_a_bad_demote_dtype_is_refused() -> None:
     with pytest.raises(ConfkvError, match="demote_dtype") as err:
         LLM("tiny-random", "window", loaded=fresh_tiny(), demote_dtype="int3")
     assert "\n" not in str(err.value)
+
+
+def test_a_policy_swap_to_another_demote_dtype_recodes_the_sequences_copies() -> None:
+    mgr, pool, kv = _scene("int4")
+    before = mgr.demoted.used_bytes
+    values = torch.randn(L, 1, BS, KVH, D)
+    mgr.demoted.put(kv.seq_id, [4], values, values, "int2")
+    assert mgr.demoted.codec(kv.seq_id).name == "int2" and mgr.demoted.indices_of(kv.seq_id) == [0, 1, 2, 3, 4]
+    per_row = {"int4": D // 2 + 4, "int2": D // 4 + 4}
+    assert before == 4 * 2 * L * BS * KVH * per_row["int4"]
+    assert mgr.demoted.used_bytes == 5 * 2 * L * BS * KVH * per_row["int2"]
+    assert float(_decode_output(mgr, pool, kv)[0]) == pytest.approx(KEY_VALUE, abs=0.5)  # still found at int2

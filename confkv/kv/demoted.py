@@ -57,9 +57,13 @@ class DemotedTier:
         return sum(k.nbytes + v.nbytes for k, v in self._blocks.get(seq_id, {}).values())
 
     def put(self, seq_id: int, indices: list[int], k: torch.Tensor, v: torch.Tensor, dtype: str) -> None:
-        """Keep blocks (``k``/``v``: values ``[layers, n, block_size, kv_heads, head_dim]``) at ``dtype``."""
-        if self._seq_codec.setdefault(seq_id, dtype) != dtype:
-            raise ValueError(f"sequence {seq_id} demotes to {self._seq_codec[seq_id]}, not {dtype}")
+        """Keep blocks (``k``/``v``: values ``[layers, n, block_size, kv_heads, head_dim]``) at ``dtype``. A
+        sequence whose policy was swapped for one of another ``demote_dtype`` has its earlier copies re-encoded, so
+        that its demoted blocks stay one format (what attention reads in one pass)."""
+        old = self._seq_codec.setdefault(seq_id, dtype)
+        if old != dtype:
+            self._recode(seq_id, self._codecs[old], self._codecs[dtype])
+            self._seq_codec[seq_id] = dtype
         codec = self._codecs[dtype]
         kq, vq = codec.encode(k.to(self.device)), codec.encode(v.to(self.device))
         blocks = self._blocks.setdefault(seq_id, {})
@@ -69,6 +73,14 @@ class DemotedTier:
             self.used_bytes += blocks[idx][0].nbytes + blocks[idx][1].nbytes
         self.demoted_blocks += len(indices)
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def _recode(self, seq_id: int, old: KVCodec, new: KVCodec) -> None:
+        blocks = self._blocks.get(seq_id, {})
+        for idx, (k, v) in list(blocks.items()):
+            values = (old.decode(k, torch.float32), old.decode(v, torch.float32))
+            self.used_bytes -= k.nbytes + v.nbytes
+            blocks[idx] = (new.encode(values[0]), new.encode(values[1]))
+            self.used_bytes += blocks[idx][0].nbytes + blocks[idx][1].nbytes
 
     def drop(self, seq_id: int, indices: list[int]) -> None:
         """Forget these blocks' copies (recalled to the device, or cut from the sequence)."""
