@@ -207,11 +207,9 @@ class Evaluator:
             ids = base[i % len(base)]
             off = (i * 37) % max(1, len(ids) - b["prompt_tokens"])
             prompts.append(ids[off : off + b["prompt_tokens"]])
+        # bytes of the model's dtype: a quantised kv_cache_dtype gets the same bytes, so more tokens (matched on bytes)
         block_bytes = BlockPool.bytes_per_block_for(
-            *BlockPool.geometry(self.loaded.model.config),
-            policy.block_size,
-            next(self.loaded.model.parameters()).dtype,
-            self.engine.get("kv_cache_dtype", "auto"),
+            *BlockPool.geometry(self.loaded.model.config), policy.block_size, next(self.loaded.model.parameters()).dtype
         )
         per_seq = -(-(b["prompt_tokens"] + b["max_tokens"]) // policy.block_size)
         fits = max(1, b["max_batch_size"] // 3)
