@@ -50,6 +50,8 @@ class BlockPool:
         self.compute_dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.codec: KVCodec | None = codec_for(kv_cache_dtype)
+        if self.codec is not None and (head_dim * self.codec.bits) % 8:
+            raise ConfkvError(f"kv_cache_dtype {kv_cache_dtype} fills whole bytes: head_dim {head_dim} cannot")
         #: The dtype of ``k`` and ``v`` themselves: bytes for a quantised pool.
         self.dtype = dtype if self.codec is None else torch.uint8
         #: Last dimension of ``k``/``v``: ``head_dim`` values, or a quantised row's bytes.
