@@ -51,7 +51,7 @@ class BlockPool:
         self.kv_cache_dtype = kv_cache_dtype
         self.codec: KVCodec | None = codec_for(kv_cache_dtype)
         if self.codec is not None and (head_dim * self.codec.bits) % 8:
-            raise ConfkvError(f"kv_cache_dtype {kv_cache_dtype} fills whole bytes: head_dim {head_dim} cannot")
+            raise ConfkvError(f"kv_cache_dtype {kv_cache_dtype}: head_dim {head_dim} does not pack into whole bytes")
         #: The dtype of ``k`` and ``v`` themselves: bytes for a quantised pool.
         self.dtype = dtype if self.codec is None else torch.uint8
         #: Last dimension of ``k``/``v``: ``head_dim`` values, or a quantised row's bytes.
