@@ -5,10 +5,11 @@
 
 The repository's README (repeated if short) is tokenised and run through the model once with Hugging Face's cache;
 its keys (after RoPE, as the engine's pool stores them) and values are cut into blocks of ``--block-size`` and
-encoded as a ``SessionRecord`` in each KV dtype (float32 as computed; bfloat16 and float16 cast from it) at zstd
+encoded as a ``SessionRecord`` in each KV dtype (float32 as computed; bfloat16 and float16 cast from it; and the
+packed rows a pool of ``kv_cache_dtype`` int8, fp8 or int4 holds, records ``kv-int8``, ``kv-fp8``, ``kv-int4``) at zstd
 levels 1, 3 and 9. Scores are uniform random float32 (attention sums have random-looking mantissas too; 4 bytes a
 token either way). Reported per dtype and level: ratio = safetensors bytes / zstd payload bytes, the record's size
-over the raw K+V bytes, and encode/decode time.
+over the raw K+V bytes, its bytes, and encode/decode time.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from common import load, parser, report, setup
 
+from confkv.kv.quant import codec_for
 from confkv.sessions import BlockKV, SessionRecord, decode, encode, model_fingerprint, read_header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,18 +50,22 @@ def main() -> None:
     result: dict = {**env, "tokens": n_blocks * bs, "block_size": bs, "kv_shape": list(k.shape)}
     gen = torch.Generator().manual_seed(0)
     scores = torch.rand(n_blocks, bs, generator=gen)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    forms = {
+        str(d).removeprefix("torch."): (lambda x, d=d: x.to(d)) for d in (torch.float32, torch.bfloat16, torch.float16)
+    }
+    for kv_dtype in ("int8", "fp8", "int4"):
+        forms[f"kv-{kv_dtype}"] = codec_for(kv_dtype).encode  # the rows a quantised pool holds
+    for record_dtype, form in forms.items():
+        kq, vq = form(k), form(v)
         blocks = {
-            i: BlockKV(
-                k=k[:, i * bs : (i + 1) * bs].to(dtype), v=v[:, i * bs : (i + 1) * bs].to(dtype), score=scores[i]
-            )
+            i: BlockKV(k=kq[:, i * bs : (i + 1) * bs], v=vq[:, i * bs : (i + 1) * bs], score=scores[i])
             for i in range(n_blocks)
         }
         rec = SessionRecord(
             session_id="codec",
             model_fingerprint=fp,
             block_size=bs,
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=record_dtype,
             token_ids=ids[: n_blocks * bs],
             num_computed=n_blocks * bs,
             blocks=blocks,
@@ -74,6 +80,7 @@ def main() -> None:
             header = read_header(blob)
             result[f"{name}_l{level}_ratio"] = header["raw_bytes"] / header["payload_bytes"]
             result[f"{name}_l{level}_record_over_kv"] = len(blob) / rec.kv_bytes
+            result[f"{name}_l{level}_record_bytes"] = len(blob)
             result[f"{name}_l{level}_encode_ms"] = (t1 - t0) * 1e3
             result[f"{name}_l{level}_decode_ms"] = (t2 - t1) * 1e3
         result[f"{name}_kv_bytes"] = rec.kv_bytes

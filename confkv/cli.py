@@ -30,6 +30,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", default=None, help="device KV pool size, e.g. 512MiB (default: 1/4 of free)")
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="how the KV pool stores K and V: auto (the model's dtype), int8, fp8 (e4m3) or int4, quantised per "
+        "token and KV head (default: auto)",
+    )
+    p.add_argument(
         "--cache-dir", default=None, help="converted-model cache (default: $CONFKV_CACHE or ~/.cache/confkv)"
     )
 
@@ -193,6 +199,13 @@ def _read_text(path: str, what: str) -> str:
         raise ConfkvError(f"{what} file {path} is not UTF-8 text") from None
 
 
+def check_kv_cache_dtype(name: str) -> None:
+    """Refuse a bad ``--kv-cache-dtype`` with the engine setting's one-line error before any model loads."""
+    from confkv.config import make_engine_config
+
+    make_engine_config({"kv_cache_dtype": name})
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     return args.prompt if args.prompt is not None else _read_text(args.prompt_file, "prompt")
 
@@ -206,6 +219,7 @@ def _make_llm(args: argparse.Namespace, max_batch_size: int = 1):
         policy=args.policy,
         policy_file=args.policy_file,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_batch_size=max_batch_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
@@ -221,7 +235,7 @@ def _summary(out: dict) -> str:
     return (
         f"[{out['prompt_tokens']} prompt + {out['generated_tokens']} generated tokens, finish={out['finish_reason']}] "
         f"KV resident mean {kv['mean_resident_tokens']:.0f} / peak {kv['peak_resident_tokens']} of "
-        f"{kv['full_tokens']} tokens, {kv['peak_device_bytes'] / 2**20:.2f} MiB peak; "
+        f"{kv['full_tokens']} tokens, {kv['peak_device_bytes'] / 2**20:.2f} MiB peak at {kv['kv_cache_dtype']}; "
         f"evicted {kv['evicted_blocks']} recalled {kv['recalled_blocks']} blocks; "
         f"entropy mean {s['entropy']['mean']:.2f}; "
         f"prefill {t['prefill_s']:.2f}s decode {t['decode_s']:.2f}s ({t['tokens_per_s']:.1f} tok/s)"
@@ -247,6 +261,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     parse_overrides(args.overrides)  # bad keys fail before the model loads
     llm = _make_llm(args)
     out = llm.generate(prompt, params, chat=args.chat)[0].to_dict()
+    out["kv"]["kv_cache_dtype"] = llm.engine.pool.kv_cache_dtype
     if args.json:
         print(json.dumps(out))
     if out["finish_reason"] == "error":
@@ -308,6 +323,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from confkv.bench.suite import run_suite
     from confkv.progress import bars
 
+    check_kv_cache_dtype(args.kv_cache_dtype)  # before the model loads
     if args.suite == "throughput":
         return _bench_throughput(args)
     policies = [p.strip() for p in (args.policies or ",".join(BUILTIN_POLICIES)).split(",") if p.strip()]
@@ -330,6 +346,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         cache_dir=args.cache_dir,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         split=args.split,
         progress=bars(),
@@ -363,7 +380,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     results = run_throughput(
         args.model, policies, policy_files=args.policy_file, spec=spec, scenarios=scenarios, hf=not args.no_hf,
         device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed,
-        log=lambda line: print(line, file=sys.stderr),
+        kv_cache_dtype=args.kv_cache_dtype, log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
     paths = write_throughput_report(results, args.out)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
@@ -374,6 +391,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from confkv.bench.calibrate import calibrate
     from confkv.calibration import calibration_path
 
+    check_kv_cache_dtype(args.kv_cache_dtype)
     out = args.out or calibration_path(args.model, args.cache_dir)
     if out is None:
         raise ConfkvError("calibration is off (CONFKV_CALIBRATION); name a file with --out")
@@ -383,7 +401,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     result = calibrate(
         args.model, text=text, tokens=args.tokens, entropy_quantile=args.entropy_quantile,
         gap_quantile=args.gap_quantile, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
-        kv_cache_memory=args.kv_cache_memory, source=args.text_file,
+        kv_cache_memory=args.kv_cache_memory, source=args.text_file, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     path = result.write(out)
     policy, meta = result.policy(), result.metadata()

@@ -60,6 +60,11 @@ class CachePolicy(BaseModel):
     recent_share: float = Field(
         0.0, ge=0, le=1, description="share of the applied budget kept as the most recent tokens (at least min_recent)"
     )
+    demote_dtype: Literal["none", "int4", "int2"] = Field(
+        "none",
+        description="blocks the budget leaves out stay on the device at this precision and are still attended to "
+        "(a copy at the pool's precision goes to the host tier, for recall); none evicts them",
+    )
     expand_by: Literal["budget", "recall"] = Field(
         "budget",
         description="what an expansion grows: the applied budget (recalled blocks, then new tokens fill it), or only "
@@ -297,6 +302,11 @@ def _override_value(raw: str) -> Any:
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
+#: How the KV pool stores K and V (vLLM's ``--kv-cache-dtype`` spelling): ``auto`` in the model's dtype; ``int8``,
+#: ``fp8`` (e4m3) and ``int4`` quantised per token and KV head as they are written (``confkv/kv/quant.py``).
+KVCacheDtype = Literal["auto", "int8", "fp8", "int4"]
+
+
 class EngineConfig(BaseModel):
     """Engine-wide settings: the model, where it runs, and how big the KV pool and batches are."""
 
@@ -308,6 +318,9 @@ class EngineConfig(BaseModel):
     device: str | None = Field(None, description="torch device; default cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_cache_memory: ByteSize | None = Field(None, gt=0, description="bytes for the device KV pool ('1GiB')")
+    kv_cache_dtype: KVCacheDtype = Field(
+        "auto", description="how the KV pool stores K and V: the model's dtype, or int8, fp8 (e4m3), int4"
+    )
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the pool if unset")
     max_batch_size: int = Field(32, ge=1, description="most sequences decoded together")
     max_num_batched_tokens: int = Field(512, ge=16, description="tokens per step (prefill chunks + decodes)")

@@ -200,7 +200,7 @@ class ItemState:
             full=cat["full"],
             budget=torch.tensor(self.budgets[:n]),
             chunk_resident=self.chunk_resident,
-            kv=self.seq.kv.stats.summary(len(self.item.token_ids), bytes_per_block),
+            kv=self.seq.kv.stats.summary(len(self.item.token_ids), bytes_per_block, self.seq.kv.table.block_size),
             greedy_match=cat["greedy_match"],
             kl=cat.get("kl"),
             topk=TopK(cat["topk_ids"], cat["topk_logprobs"]) if self.keep_topk else None,

@@ -29,6 +29,8 @@ REQUIRED_METRICS = {
     "confkv:num_requests_waiting",
     "confkv:kv_cache_usage_perc",
     "confkv:host_cache_used_bytes",
+    "confkv:kv_cache_tokens",
+    "confkv:kv_cache_bytes_per_token",
     "confkv:recall_hits",
     "confkv:recall_queries",
     "confkv:evicted_blocks",

@@ -83,12 +83,14 @@ class Evaluator:
         dtype: str = "auto",
         cache_dir: str | None = None,
         kv_cache_memory: int | str | None = None,
+        kv_cache_dtype: str = "auto",
         loaded: LoadedModel | None = None,
         reference_root: str | Path | None = None,
         progress: bool = False,
     ) -> Evaluator:
         """Load the model (the engine's device rule: ``--device``, else CUDA when present), build the workloads and
-        the full-cache references."""
+        the full-cache references. The references are always ``full`` at ``kv_cache_dtype: auto``; every measured
+        engine stores its KV at ``kv_cache_dtype``, so a quantised ``full`` is measured against the exact one."""
         loaded = loaded or load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
         engine = {"seed": seed, **({"kv_cache_memory": kv_cache_memory} if kv_cache_memory is not None else {})}
         full = LLM(model, "full", loaded=loaded, **engine)
@@ -101,7 +103,7 @@ class Evaluator:
             if name == "prose":
                 triples = [(p, 0, max(1, s or 1)) for p, _, s in triples]
             refs[name] = build_references(full, triples, store, use_tqdm=progress, label=f"references: {name}")
-        return cls(loaded, model, spec, wl, refs, engine, progress)
+        return cls(loaded, model, spec, wl, refs, {**engine, "kv_cache_dtype": kv_cache_dtype}, progress)
 
     def llm(self, policy: CachePolicy, **engine: Any) -> LLM:
         return LLM(self.model, policy, loaded=self.loaded, **{**self.engine, **engine})
@@ -205,6 +207,7 @@ class Evaluator:
             ids = base[i % len(base)]
             off = (i * 37) % max(1, len(ids) - b["prompt_tokens"])
             prompts.append(ids[off : off + b["prompt_tokens"]])
+        # bytes of the model's dtype: a quantised kv_cache_dtype gets the same bytes, so more tokens (matched on bytes)
         block_bytes = BlockPool.bytes_per_block_for(
             *BlockPool.geometry(self.loaded.model.config), policy.block_size, next(self.loaded.model.parameters()).dtype
         )

@@ -220,6 +220,7 @@ def run_suite(
     dtype: str = "auto",
     cache_dir: str | None = None,
     kv_cache_memory: int | str | None = None,
+    kv_cache_dtype: str = "auto",
     seed: int = 0,
     split: str = "heldout",
     spec: SuiteSpec | None = None,
@@ -237,7 +238,8 @@ def run_suite(
     with stage(f"bench {suite} on {model}", total=len(plan), unit="policies", expected_s=expected) as bench:
         t_start = time.perf_counter()
         ev = Evaluator.prepare(model, spec, device=device, dtype=dtype, cache_dir=cache_dir,
-                               kv_cache_memory=kv_cache_memory, seed=seed, split=split, progress=progress)  # fmt: skip
+                               kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, seed=seed, split=split,
+                               progress=progress)  # fmt: skip
         t_refs = time.perf_counter() - t_start
         log(f"references ready ({t_refs:.0f}s)")
         full_gen = ev.generate_long(CachePolicy(controller="full"), None)
@@ -294,6 +296,7 @@ def run_suite(
                 "batch": spec.batch,
             },
             "split": split,
+            "kv_cache_dtype": kv_cache_dtype,
             "seconds": round(seconds, 1),
             "seconds_references": round(t_refs, 1),
             "seconds_per_policy": {name: round(run.entry["seconds"], 1) for name, run in runs.items()},

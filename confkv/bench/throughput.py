@@ -313,8 +313,11 @@ def run_throughput(
     dtype: str = "auto",
     cache_dir: str | None = None,
     seed: int = 0,
+    kv_cache_dtype: str = "auto",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
+    """Every policy's engine stores its KV at ``kv_cache_dtype`` in a pool of the same bytes (sized for ``full`` at
+    the model's dtype), so a quantised pool shows what its extra tokens buy in requests served."""
     spec = spec or (TINY_THROUGHPUT if model == "tiny-random" else ThroughputSpec())
     t_start = time.perf_counter()
     loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
@@ -329,6 +332,7 @@ def run_throughput(
         "settings": {
             **asdict(spec),
             "kv_cache_memory_bytes": pool_bytes,
+            "kv_cache_dtype": kv_cache_dtype,
             "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in base])),
             "output_tokens_mean": float(np.mean([r.max_tokens for r in base])),
             "device": str(next(loaded.model.parameters()).device),
@@ -346,7 +350,8 @@ def run_throughput(
             for name, policy in chosen:
                 t0 = time.perf_counter()
                 llm = LLM(model, policy, loaded=loaded, kv_cache_memory=pool_bytes, max_batch_size=spec.max_batch_size,
-                          max_num_batched_tokens=spec.max_num_batched_tokens, seed=seed)  # fmt: skip
+                          max_num_batched_tokens=spec.max_num_batched_tokens, seed=seed,
+                          kv_cache_dtype=kv_cache_dtype)  # fmt: skip
                 progress.set_note(f"{scenario} {name}")
                 results[name] = run_engine_stream(llm, requests)
                 progress.update(1)

@@ -33,15 +33,18 @@ import torch
 from confkv.cache.state import KVStats, Reservation, SequenceKV
 from confkv.controllers import Controller
 from confkv.kv.block_table import DROPPED, ON_HOST, BlockTable
+from confkv.kv.demoted import DemotedTier
 from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
 from confkv.scorers import BlockView
 
 
 class CacheManager:
-    def __init__(self, pool: BlockPool, host: HostTier, scaling: float) -> None:
+    def __init__(self, pool: BlockPool, host: HostTier, scaling: float, demoted: DemotedTier | None = None) -> None:
         self.pool = pool
         self.host = host
+        #: Low-precision device copies of evicted blocks, for policies with ``demote_dtype``.
+        self.demoted = demoted or DemotedTier(pool.block_size, pool.device)
         self.scaling = scaling
         self._seqs: dict[int, SequenceKV] = {}
         # engine-wide counters (for metrics)
@@ -67,6 +70,7 @@ class CacheManager:
         """Free everything the sequence holds in every tier."""
         self.pool.free(kv.table.device_blocks())
         self.host.drop_sequence(kv.seq_id)
+        self.demoted.drop_sequence(kv.seq_id)
         kv.table = BlockTable(self.block_size)
         kv.stats.host_bytes = 0
         self._seqs.pop(kv.seq_id, None)
@@ -75,6 +79,7 @@ class CacheManager:
         """Drop every block (preemption: the sequence will be recomputed) but keep its identity and statistics."""
         self.pool.free(kv.table.device_blocks())
         self.host.drop_sequence(kv.seq_id)
+        self.demoted.drop_sequence(kv.seq_id)
         kv.table = BlockTable(self.block_size)
         kv.since_compact = 0
         kv.prompt_trimmed = False
@@ -216,6 +221,10 @@ class CacheManager:
         table = kv.table
         block_ids = [table.entries[i] for i in victims]
         k, v, score = self.pool.read_blocks(block_ids)
+        demote = kv.controller.policy.demote_dtype
+        if evicted and demote != "none":  # the budget left them out: still attended to, at low precision
+            self.demoted.put(kv.seq_id, victims, self.pool.dequant(k), self.pool.dequant(v), demote)
+            kv.stats.demoted_peak_bytes = max(kv.stats.demoted_peak_bytes, self.demoted.bytes_of(kv.seq_id))
         dropped = self.host.put(kv.seq_id, victims, k, v, score)
         for i in victims:
             table.entries[i] = ON_HOST
@@ -235,13 +244,16 @@ class CacheManager:
         """Write blocks taken from the host tier (logical ``indices``, in order) into newly allocated device blocks."""
         ids = self.pool.allocate(len(indices), zero=False)  # every slot is written next
         self.pool.write_blocks(ids, k, v, score)
+        self.demoted.drop(kv.seq_id, indices)  # back at the pool's precision
         for i, block in zip(indices, ids, strict=True):
             kv.table.entries[i] = block
 
     # ------------------------------------------------------------------------------------ whole-sequence moves
     def offload_all(self, kv: SequenceKV) -> int:
         """Move every device block of a sequence to the host tier (a parked session under memory pressure);
-        returns the blocks freed on the device."""
+        returns the blocks freed on the device. Its demoted copies go too: a parked session holds no device memory
+        (its evicted blocks stay recallable from the host tier at full precision)."""
+        self.demoted.drop_sequence(kv.seq_id)
         return self._to_host(kv, kv.table.resident_indices(), evicted=False)
 
     def restore_to_device(self, kv: SequenceKV, indices: list[int]) -> int:
@@ -266,6 +278,7 @@ class CacheManager:
         for i in range(keep, len(table.entries)):
             if table.entries[i] == ON_HOST:
                 self.host.take(kv.seq_id, [i])
+        self.demoted.drop_from(kv.seq_id, keep)
         del table.entries[keep:]
         table.num_tokens = n
         return n
@@ -376,7 +389,7 @@ class CacheManager:
         if n <= 0:
             return []
         self.recall_queries += 1
-        keys = self.host.keys_of(kv.seq_id, host_idx).float()  # [L, n_host, bs, kvh, D]
+        keys = self.pool.dequant(self.host.keys_of(kv.seq_id, host_idx)).float()  # [L, n_host, bs, kvh, D]
         qh = q.to("cpu", torch.float32)
         logits = torch.einsum("lkgd,lnbkd->lkgnb", qh, keys) * self.scaling
         lse_host = torch.logsumexp(logits.flatten(-2), dim=-1)
@@ -435,7 +448,7 @@ class CacheManager:
         if resident:
             parts.append(view.keys().to("cpu", torch.float32))
         if host:
-            parts.append(self.host.keys_of(kv.seq_id, host).float())
+            parts.append(self.pool.dequant(self.host.keys_of(kv.seq_id, host)).float())
         keys = torch.cat(parts, dim=1)  # [L, n, bs, kvh, D]
         logits = torch.einsum("lkgd,lnbkd->lkgnb", q.to("cpu", torch.float32), keys) * self.scaling
         share = logits.flatten(-2).softmax(dim=-1).unflatten(-1, logits.shape[-2:]).sum(dim=-1)  # [L, kvh, g, n]

@@ -23,15 +23,23 @@ class KVStats:
     peak_device_blocks: int = 0
     host_bytes: int = 0
     host_peak_bytes: int = 0
+    demoted_peak_bytes: int = 0  # the most its demoted blocks (``demote_dtype``) held on the device
     resident_sum: int = 0  # over generated tokens: tokens resident when each was computed
     resident_count: int = 0
 
-    def summary(self, full_tokens: int, bytes_per_block: int) -> dict[str, Any]:
-        """The ``kv`` fields every output reports (generation and scoring alike)."""
+    def summary(self, full_tokens: int, bytes_per_block: int, block_size: int) -> dict[str, Any]:
+        """The ``kv`` fields every output reports (generation and scoring alike). Tokens come with their bytes at the
+        pool's ``kv_cache_dtype``, the measure that compares a quantised cache with a float one."""
+        per_token = bytes_per_block / block_size
+        mean = self.resident_sum / self.resident_count if self.resident_count else 0.0
         return {
             "peak_resident_tokens": self.peak_resident_tokens,
-            "mean_resident_tokens": self.resident_sum / self.resident_count if self.resident_count else 0.0,
+            "mean_resident_tokens": mean,
             "full_tokens": full_tokens,
+            "bytes_per_token": per_token,
+            "peak_resident_bytes": round(self.peak_resident_tokens * per_token),
+            "mean_resident_bytes": mean * per_token,
+            "full_bytes": round(full_tokens * per_token),
             "peak_device_bytes": self.peak_device_blocks * bytes_per_block,
             "evicted_blocks": self.evicted_blocks,
             "recalled_blocks": self.recalled_blocks,
@@ -39,6 +47,7 @@ class KVStats:
             "dropped_blocks": self.dropped_blocks,
             "expansions": self.expansions,
             "host_peak_bytes": self.host_peak_bytes,
+            "demoted_peak_bytes": self.demoted_peak_bytes,
         }
 
     def record_compute(self, resident: int, device_blocks: int, generated: bool) -> None:

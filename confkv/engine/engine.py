@@ -105,7 +105,9 @@ class LLMEngine:
 
         layers, kv_heads, head_dim = BlockPool.geometry(self.model.config)
         dtype = next(self.model.parameters()).dtype
-        per_block = BlockPool.bytes_per_block_for(layers, kv_heads, head_dim, policy.block_size, dtype)
+        per_block = BlockPool.bytes_per_block_for(
+            layers, kv_heads, head_dim, policy.block_size, dtype, config.kv_cache_dtype
+        )
         kv_bytes = config.kv_cache_memory or int(config.kv_cache_fraction * available_memory(self.device))
         self.pool = BlockPool(
             num_layers=layers,
@@ -115,6 +117,7 @@ class LLMEngine:
             num_blocks=int(kv_bytes) // per_block,
             dtype=dtype,
             device=self.device,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         scaling = attention.probe(self.model, self.pool, self.model.config.vocab_size)
         self.host = HostTier(policy.host_cache_memory, pin_memory=self.device.type == "cuda")
@@ -128,7 +131,7 @@ class LLMEngine:
             policy.memory_high_watermark,
             policy.low_watermark,
         )
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self.manager.demoted)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from confkv.engine.scheduler import ScheduledChunk
 from confkv.kv.attention import PackedBatch, PrefillSpan, sdpa_backends
+from confkv.kv.demoted import DemotedKeys, DemotedTier
 from confkv.kv.pool import BlockPool
 
 
@@ -30,10 +31,16 @@ class ForwardResult:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, pool: BlockPool) -> None:
+    def __init__(self, model: PreTrainedModel, pool: BlockPool, demoted: DemotedTier | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
+        self.demoted = demoted
+
+    def _demoted(self, seq_id: int, num_tokens: int) -> DemotedKeys | None:
+        if self.demoted is None or not self.demoted.has_blocks(seq_id):
+            return None
+        return self.demoted.gather(seq_id, num_tokens)
 
     @torch.inference_mode()
     def run(
@@ -61,6 +68,7 @@ class ModelRunner:
         decode_qpos: list[int] = []
         decay: list[tuple[torch.Tensor, float]] = []  # slots whose previous mass this pass scales before adding
         decode_track: list[float] = []
+        decode_demoted: list[tuple[int, int, DemotedKeys]] = []  # (decode row, sequence id, its demoted blocks)
         prefills: list[PrefillSpan] = []
         sample_rows: list[int] = []
         spans: list[tuple[int, int]] = []
@@ -92,12 +100,15 @@ class ModelRunner:
             if chunk.decodes:
                 if decode_mode != "none" and factor < 1.0:
                     decode_decay.append((len(decode_blocks), factor))
+                if (demoted := self._demoted(seq.seq_id, start + n)) is not None:
+                    decode_demoted.append((len(decode_blocks), seq.seq_id, demoted))
                 decode_blocks.append(table.resident_blocks(start + n))
                 decode_qpos.append(start)
                 decode_track.append(0.0 if decode_mode == "none" else 1.0)
                 capture_decode = capture_decode or seq.seq_id in capture
             else:
                 key_slots, key_pos = table.resident_slots(start + n, device)
+                demoted = self._demoted(seq.seq_id, start + n) if start > 0 else None
                 if chunk.samples and seq.seq_id in capture:
                     prefill_captures.append(seq.seq_id)
                 mode = controller.prefill_attention if recorded else "none"
@@ -134,6 +145,7 @@ class ModelRunner:
                         track=mode,
                         window_start=window_start,
                         capture=chunk.samples and seq.seq_id in capture,
+                        demoted=None if demoted is None else (self.demoted.codec(seq.seq_id), demoted),
                     )
                 )
 
@@ -161,6 +173,8 @@ class ModelRunner:
             batch.decode_pos = key_pos.to(device)
             batch.decode_qpos = qpos.to(device)
             batch.capture_decode = capture_decode
+            if decode_demoted:
+                self._pack_demoted(batch, decode_demoted, nd, qpos)
             if any(decode_track):  # slots only where attention mass is recorded per slot
                 key_slots = (blocks[:, :, None] * bs + offsets).reshape(nd, width * bs)
                 decay.extend((key_slots[r][valid[r]].to(device), f) for r, f in decode_decay)
@@ -195,6 +209,34 @@ class ModelRunner:
         return ForwardResult(
             logits=out.logits[0], sampling=sampling, batch=batch, resident=resident, captured=captured, spans=spans
         )
+
+    def _pack_demoted(
+        self, batch: PackedBatch, rows: list[tuple[int, int, DemotedKeys]], nd: int, qpos: torch.Tensor
+    ) -> None:
+        """The decode rows' demoted blocks as zero-padded ``[layers, g, width, kv_heads, row]`` per codec."""
+        assert self.demoted is not None
+        device = self.device
+        width = max(d.pos.numel() for _, _, d in rows)
+        valid = torch.zeros(nd, width, dtype=torch.bool)
+        pos = torch.zeros(nd, width, dtype=torch.long)
+        groups: dict[str, list[tuple[int, DemotedKeys]]] = {}
+        for r, sid, d in rows:
+            t = d.pos.numel()
+            valid[r, :t] = d.pos.cpu() <= qpos[r]
+            pos[r, :t] = d.pos.cpu()
+            groups.setdefault(self.demoted.codec(sid).name, []).append((r, d))
+        for members in groups.values():
+            sid = next(s for r, s, _ in rows if r == members[0][0])
+            k = torch.zeros((self.pool.num_layers, len(members), width, *members[0][1].k.shape[2:]),
+                            dtype=torch.uint8, device=device)  # fmt: skip
+            v = torch.zeros_like(k)
+            for j, (_, d) in enumerate(members):
+                k[:, j, : d.pos.numel()] = d.k
+                v[:, j, : d.pos.numel()] = d.v
+            index = torch.tensor([r for r, _ in members], dtype=torch.long, device=device)
+            batch.decode_demoted.append((self.demoted.codec(sid), index, k, v))
+        batch.decode_demoted_valid = valid.to(device)
+        batch.decode_demoted_pos = pos.to(device)
 
     def commit(self, res: ForwardResult) -> None:
         """Add the attention mass the pass recorded to what scorers read (only once the pass has succeeded),

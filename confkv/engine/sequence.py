@@ -198,7 +198,7 @@ class RequestOutput:
     @classmethod
     def from_sequence(cls, seq: Sequence, bytes_per_block: int) -> RequestOutput:
         generated = len(seq.output_token_ids)
-        kv = seq.kv.stats.summary(seq.num_prompt_tokens + generated, bytes_per_block)
+        kv = seq.kv.stats.summary(seq.num_prompt_tokens + generated, bytes_per_block, seq.kv.table.block_size)
         kv["preemptions"] = seq.preemptions
         t0 = seq.first_scheduled_time or seq.arrival_time
         t1 = seq.first_token_time or t0

@@ -34,7 +34,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from confkv.kv.demoted import DemotedKeys
 from confkv.kv.pool import BlockPool
+from confkv.kv.quant import KVCodec
 
 ATTN_IMPLEMENTATION = "confkv"
 
@@ -52,6 +54,8 @@ class PrefillSpan:
     track: str = "none"  # "none" | "all" | "window": which queries' attention mass to record
     window_start: int = 0  # with track == "window": queries at positions >= this vote
     capture: bool = False  # keep the last query and its log-sum-exp (for recall scoring)
+    #: The sequence's demoted blocks (``confkv/kv/demoted.py``) and their codec, attended beside the pool's keys.
+    demoted: tuple[KVCodec, DemotedKeys] | None = None
 
 
 @dataclass
@@ -80,6 +84,11 @@ class PackedBatch:
     #: Filled per layer when capture is on: decode rows then capturing prefill spans, in that order.
     captured_q: list[torch.Tensor] = field(default_factory=list)  # [rows, kv_heads, groups, head_dim]
     captured_lse: list[torch.Tensor] = field(default_factory=list)  # [rows, kv_heads, groups]
+    #: Demoted blocks of the decode rows, grouped by codec: (codec, decode rows [g], keys and values
+    #: ``[layers, g, width, kv_heads, row]``, zero-padded); their keys follow the pool's in each row.
+    decode_demoted: list[tuple[KVCodec, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    decode_demoted_valid: torch.Tensor | None = None  # [num_decode, width] bool
+    decode_demoted_pos: torch.Tensor | None = None  # [num_decode, width] true positions
 
 
 #: PyTorch's fused CPU attention (flash), called directly where its log-sum-exp is needed as well as its output.
@@ -116,11 +125,21 @@ def _decode_attention(
     # as 2-D because index_select copies rows of a 2-D tensor with memcpy but walks a 4-D one element by element
     by_block = (pool.num_blocks, bs * pool.num_kv_heads * pool.head_dim)
     unpacked = (n, -1, pool.num_kv_heads, pool.head_dim)
-    keys = pool.k[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
-    values = pool.v[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
-    valid = batch.decode_valid
+    if pool.codec is None:
+        keys = pool.k[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
+        values = pool.v[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
+    else:  # the same block copies of the stored rows, then one dequantisation of what was gathered
+        by_block = (pool.num_blocks, bs * pool.num_kv_heads * pool.row)
+        rows = (n, -1, pool.num_kv_heads, pool.row)
+        keys = pool.dequant(pool.k[layer].view(by_block).index_select(0, flat).view(rows)).transpose(1, 2)
+        values = pool.dequant(pool.v[layer].view(by_block).index_select(0, flat).view(rows)).transpose(1, 2)
+    valid, key_pos, pool_keys = batch.decode_valid, batch.decode_pos, keys.shape[2]
+    if batch.decode_demoted:
+        keys, values = _with_demoted(batch, layer, keys, values)
+        valid = torch.cat([valid, batch.decode_demoted_valid], dim=1)
+        key_pos = torch.cat([key_pos, batch.decode_demoted_pos], dim=1)
     if window is not None:
-        valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
+        valid = valid & (key_pos > batch.decode_qpos[:, None] - window)
     # GQA as plain attention: a KV head's query heads are the rows of one [groups, keys] problem
     qg = _grouped(q, pool.num_kv_heads)  # [n, kvh, g, D]
     if batch.decode_track is None and not batch.capture_decode:
@@ -141,12 +160,26 @@ def _decode_attention(
     weights = (scores - lse).exp()
     out = torch.matmul(weights.to(values.dtype), values)
     if batch.decode_track is not None and batch.score is not None:
-        mass = weights.sum(dim=(1, 2)) * batch.decode_track  # [n, keys]
+        mass = weights[..., :pool_keys].sum(dim=(1, 2)) * batch.decode_track  # [n, keys]: the pool's slots only
         batch.score.index_add_(0, batch.decode_slots.reshape(-1), mass.reshape(-1))
     if batch.capture_decode:
         captures[0].append(qg)
         captures[1].append(lse.squeeze(-1))
     return out.reshape(q.shape)
+
+
+def _with_demoted(
+    batch: PackedBatch, layer: int, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' keys and values ``[n, kvh, keys, D]`` followed by their demoted blocks', dequantised."""
+    n, kvh, _, dim = keys.shape
+    width = batch.decode_demoted_valid.shape[1]
+    dk = keys.new_zeros(n, width, kvh, dim)
+    dv = values.new_zeros(n, width, kvh, dim)
+    for codec, rows, k, v in batch.decode_demoted:
+        dk[rows] = codec.decode(k[layer], dk.dtype)
+        dv[rows] = codec.decode(v[layer], dv.dtype)
+    return torch.cat([keys, dk.transpose(1, 2)], dim=2), torch.cat([values, dv.transpose(1, 2)], dim=2)
 
 
 #: With ``track == "all"``, every this-many-th query of a prefill chunk votes (plus the chunk's last): an unbiased
@@ -174,9 +207,14 @@ def _prefill_attention(
     if span.fresh:
         keys, values, key_slots, key_pos = k, v, span.key_slots, span.q_pos
     else:
-        keys = pool.k[layer][span.key_slots].transpose(0, 1)  # [kvh, L, D]
-        values = pool.v[layer][span.key_slots].transpose(0, 1)
+        keys = pool.dequant(pool.k[layer][span.key_slots]).transpose(0, 1)  # [kvh, L, D]
+        values = pool.dequant(pool.v[layer][span.key_slots]).transpose(0, 1)
         key_slots, key_pos = span.key_slots, span.key_pos
+        if span.demoted is not None:
+            codec, d = span.demoted
+            keys = torch.cat([keys, codec.decode(d.k[layer], keys.dtype).transpose(0, 1)], dim=1)
+            values = torch.cat([values, codec.decode(d.v[layer], values.dtype).transpose(0, 1)], dim=1)
+            key_pos = torch.cat([key_pos, d.pos])
 
     def allowed(q_pos: torch.Tensor) -> torch.Tensor:  # [rows, L]
         ok = key_pos[None, :] <= q_pos[:, None]
@@ -206,7 +244,7 @@ def _prefill_attention(
         scores.masked_fill_(~allowed(span.q_pos[voters]), float("-inf"))
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         if span.track != "none" and batch.score is not None:
-            weights = (scores - lse).exp()
+            weights = (scores - lse).exp()[..., : key_slots.numel()]  # the pool's slots (demoted keys come after)
             batch.score.index_add_(0, key_slots, weights.sum(dim=(0, 1, 2)))
         if span.capture:
             captures[0].append(qg[None, :, :, -1])
@@ -247,8 +285,7 @@ def confkv_attention(
     q = query[0].transpose(0, 1)  # [tokens, heads, D]
     k = key[0].transpose(0, 1)  # [tokens, kvh, D]
     v = value[0].transpose(0, 1)
-    pool.k[layer].index_copy_(0, batch.slot_mapping, k.to(pool.dtype))
-    pool.v[layer].index_copy_(0, batch.slot_mapping, v.to(pool.dtype))
+    pool.store(layer, batch.slot_mapping, k, v)
 
     out = torch.empty_like(q)
     captures: Captures = ([], [])

@@ -41,7 +41,8 @@ class BlockView:
         """The blocks' keys (after RoPE), ``[layers, n, block_size, kv_heads, head_dim]``."""
         pool = self.pool
         slots = pool.slots_of(self.block_ids)
-        return pool.k[:, slots].reshape(pool.num_layers, len(self.logical), pool.block_size, pool.num_kv_heads, -1)
+        rows = pool.k[:, slots].reshape(pool.num_layers, len(self.logical), pool.block_size, pool.num_kv_heads, -1)
+        return pool.dequant(rows)
 
 
 class BlockScorer(ABC):

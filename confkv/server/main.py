@@ -169,6 +169,7 @@ def serve(args: argparse.Namespace) -> int:
             "device": args.device,
             "dtype": args.dtype,
             "kv_cache_memory": args.kv_cache_memory,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "max_batch_size": args.max_batch_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len,
@@ -183,7 +184,8 @@ def serve(args: argparse.Namespace) -> int:
     print(
         f"confkv: model {args.model} loaded in {time.perf_counter() - t0:.1f}s on {engine.device}; "
         f"policy {info['name']} (version {info['version']}, from {info['source']}); "
-        f"KV pool {engine.pool.total_bytes / 2**20:.1f} MiB; "
+        f"KV pool {engine.pool.total_bytes / 2**20:.1f} MiB ({engine.pool.num_tokens} tokens at "
+        f"kv_cache_dtype {engine.pool.kv_cache_dtype}); "
         f"session store {sessions.store_url or 'none (memory only)'}",
         file=sys.stderr,
         flush=True,

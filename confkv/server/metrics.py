@@ -95,8 +95,11 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "confkv:kv_cache_blocks": ("pool_blocks", "KV pool blocks in all."),
     "confkv:kv_cache_used_bytes": ("pool_used_bytes", "Bytes of the device KV pool in use."),
     "confkv:kv_cache_total_bytes": ("pool_total_bytes", "Bytes of the device KV pool."),
+    "confkv:kv_cache_tokens": ("pool_tokens", "Tokens the device KV pool holds when full (at its kv_cache_dtype)."),
+    "confkv:kv_cache_bytes_per_token": ("pool_bytes_per_token", "Bytes one token's K and V take in the pool."),
     "confkv:kv_cache_committed_blocks": ("committed_blocks", "KV blocks promised to admitted requests."),
     "confkv:host_cache_used_bytes": ("host_used_bytes", "Bytes of evicted KV held in the host tier."),
+    "confkv:demoted_kv_used_bytes": ("demoted_used_bytes", "Bytes of demoted (low-precision) KV on the device."),
     "confkv:breaker_tripped": ("breaker_tripped", "1 while the circuit breaker holds sequences at their floor."),
 }
 #: counters read from ``engine.stats()`` (monotonic there): metric name (without _total) -> (stats key, help)

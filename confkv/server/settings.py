@@ -48,8 +48,8 @@ class ServerSettings(BaseModel):
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The serve-only flags. ``confkv.cli`` adds the ones every command shares: the model's (--model, --device,
-    --dtype, --kv-cache-memory, --cache-dir), --max-num-batched-tokens, and the policy's (--policy, alias
-    --cache-policy, which also takes a registry reference ``registry://NAME@ALIAS``; --policy-file; --set).
+    --dtype, --kv-cache-memory, --kv-cache-dtype, --cache-dir), --max-num-batched-tokens, and the policy's (--policy,
+    alias --cache-policy, which also takes a registry reference ``registry://NAME@ALIAS``; --policy-file; --set).
     vLLM's spelling ``--max-num-seqs`` is accepted for ``--max-batch-size``.
     """
     p.add_argument("--registry-url", default=None, help="policy registry database URL (default: the store's)")

@@ -17,7 +17,8 @@ Encoding (format version 1)::
     digest    32 bytes   sha256 of the header bytes, so a flipped digit in ``num_computed`` is caught too
     payload    the rest  zstd frame of a safetensors blob (``safetensors.torch.save``) holding
                          ``token_ids`` int64 [T], and when blocks exist ``k``/``v`` [n_blocks, layers, block_size,
-                         kv_heads, head_dim] in the record's dtype and ``score`` float32 [n_blocks, block_size]
+                         kv_heads, head_dim] in the record's dtype (a packed record: uint8 [..., kv_heads, row bytes],
+                         the quantised rows as the pool holds them) and ``score`` float32 [n_blocks, block_size]
 
 The header is checked first (digest, then version, then ``expect``), so a foreign record is refused without
 decompressing its payload; the payload's sha256 is checked before zstd touches it, so the decompressor only ever
@@ -46,6 +47,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from confkv.kv.quant import KV_CACHE_DTYPES
 from confkv.sessions.errors import CorruptRecord, ForeignRecord
 
 FORMAT_VERSION = 1
@@ -79,7 +81,7 @@ class SessionRecord:
     session_id: str
     model_fingerprint: str
     block_size: int
-    dtype: str  # the KV dtype, as torch spells it without the prefix: "float32", "bfloat16", "float16"
+    dtype: str  # the KV dtype: "float32", "bfloat16", "float16" (torch's spelling) or a packed one, "kv-int8"...
     token_ids: list[int]  # the whole conversation so far
     num_computed: int  # tokens whose KV was computed (the first num_computed of token_ids)
     blocks: dict[int, BlockKV] = field(default_factory=dict)
@@ -108,8 +110,17 @@ class SessionTokens:
     updated_at: float
 
 
+#: Record dtypes of quantised pools (``kv_cache_dtype`` int8, fp8, int4): the blocks are the pool's packed rows, bytes
+#: of data and per-row scales (``confkv/kv/quant.py``), kept as ``uint8`` tensors. Each is foreign to the others and
+#: to a float pool, as one float dtype is to another.
+PACKED_DTYPES: dict[str, str] = {f"kv-{d}": "uint8" for d in KV_CACHE_DTYPES if d != "auto"}
+
+
 def dtype_name(dtype: torch.dtype | str) -> str:
-    """``torch.bfloat16`` or ``"torch.bfloat16"`` or ``"bfloat16"`` -> ``"bfloat16"`` (the record's spelling)."""
+    """``torch.bfloat16`` or ``"torch.bfloat16"`` or ``"bfloat16"`` -> ``"bfloat16"`` (the record's spelling); a
+    packed dtype (``"kv-int8"``) is its own spelling."""
+    if isinstance(dtype, str) and dtype in PACKED_DTYPES:
+        return dtype
     name = str(dtype).removeprefix("torch.")
     if not isinstance(getattr(torch, name, None), torch.dtype):
         raise ValueError(f"not a torch dtype: {dtype!r}")
@@ -183,6 +194,11 @@ def _frame(magic: bytes, header: dict[str, Any], tensors: dict[str, torch.Tensor
     return b"".join((magic, _LEN.pack(len(hb)), hb, hashlib.sha256(hb).digest(), payload))
 
 
+def tensor_dtype_name(record_dtype: str) -> str:
+    """The dtype of a record's block tensors: its own for a float record, ``uint8`` for a packed one."""
+    return PACKED_DTYPES.get(record_dtype, record_dtype)
+
+
 def _check_ids(record: SessionRecord) -> None:
     if not isinstance(record.session_id, str) or not record.session_id:
         raise ValueError("a session record needs a non-empty session_id")
@@ -198,7 +214,7 @@ def _check_ids(record: SessionRecord) -> None:
 def _check_record(record: SessionRecord) -> None:
     """Every block has the same geometry, the record's dtype, and holds computed tokens only."""
     _check_ids(record)
-    sid, bs, want = record.session_id, record.block_size, dtype_name(record.dtype)
+    sid, bs, want = record.session_id, record.block_size, tensor_dtype_name(dtype_name(record.dtype))
     n_blocks = -(-record.num_computed // bs)
     shape: torch.Size | None = None
     for idx, blk in record.blocks.items():
@@ -249,7 +265,7 @@ def decode(data: bytes | memoryview, *, expect: Mapping[str, Any] | None = None)
             if (
                 not (len(indices) == k.shape[0] == v.shape[0] == score.shape[0])
                 or k.shape[2] != bs
-                or dtype_name(k.dtype) != header["dtype"]
+                or dtype_name(k.dtype) != tensor_dtype_name(header["dtype"])
             ):
                 raise CorruptRecord(f"session {sid!r}: block tensors do not match the header", session_id=sid)
             blocks = {i: BlockKV(k=k[n], v=v[n], score=score[n]) for n, i in enumerate(indices)}

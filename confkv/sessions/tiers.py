@@ -163,7 +163,7 @@ class SessionTiers:
         return {
             "model_fingerprint": self._fingerprint,
             "block_size": self.pool.block_size,
-            "dtype": dtype_name(self.pool.dtype),
+            "dtype": dtype_name(self.pool.kv_format),
         }
 
     @property

@@ -1,0 +1,125 @@
+"""What each ``kv_cache_dtype`` costs: perplexity of ``full`` on the bench's prose workload and the decode step time.
+
+    python benchmarks/kv_dtypes.py --suite quick --dtypes auto,int8,fp8,int4 --context 512 --batch 8 --steps 10
+
+Perplexity: the prose items of ``--suite`` (held-out split, as ``confkv bench`` draws them), scored teacher-forced
+under ``full`` exactly as the bench scores its prose (``Evaluator.score_workload``: each item read from its first
+token, every token scored); the exp of the mean NLL over all items' tokens, and its change relative to ``auto``.
+Step time: ``--batch`` sequences of ``--context`` tokens (windows of README.md) decode under ``full``; after 20
+steps to settle, ``--steps`` steps are timed (as ``benchmarks/decode_step.py`` does); ``--repeats`` alternating
+rounds over the dtypes, the median kept, so that a neighbour's load on a shared CPU falls on every dtype alike.
+Also reported: bytes of K and V per token and the tokens a 64 MiB pool holds at each dtype. With ``--demote``, the
+suite's scaled ``dynamic`` (as ``confkv bench`` runs it) on the same prose at ``demote_dtype`` none and each of
+``--demote``: perplexity, and the KV bytes it held (mean resident, plus the demoted copies' peak) over ``full``'s.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+from common import load, parser, read_prompts, readme_windows, report, setup
+
+from confkv import LLM, SamplingParams
+from confkv.bench.evaluator import build_workloads
+from confkv.bench.specs import scaled_dynamic, suite_spec
+
+SETTLE_STEPS = 20
+POOL = 64 << 20
+
+
+def perplexity(args, loaded, dtype: str, items: list, policy="full") -> tuple[float, int, float, float]:
+    """Perplexity over every scored token, their count, the mean resident KV bytes (summed over items) and the
+    demoted copies' peak bytes (summed over items)."""
+    llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=dtype, kv_cache_memory=POOL)
+    results = llm.score([list(it.prompt_ids) for it in items], [max(1, it.score_from or 1) for it in items])
+    nll = [float(-lp) for r in results for lp in r.token_logprobs]
+    resident = sum(r.kv["mean_resident_bytes"] for r in results)
+    return math.exp(sum(nll) / len(nll)), len(nll), resident, sum(r.kv["demoted_peak_bytes"] for r in results)
+
+
+def step_ms(args, loaded, dtype: str, prompts: list[list[int]]) -> float:
+    reading = -(-args.batch * args.context // 512) + args.batch
+    params = SamplingParams(max_tokens=reading + SETTLE_STEPS + args.steps + 8, ignore_eos=True)
+    llm = LLM(args.model, "full", loaded=loaded, max_batch_size=args.batch, kv_cache_memory="1GiB",
+              kv_cache_dtype=dtype)  # fmt: skip
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    read_prompts(engine)
+    for _ in range(SETTLE_STEPS):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    elapsed = time.perf_counter() - t0
+    if len(engine.scheduler.running) != args.batch:
+        raise SystemExit("a sequence finished during the timed steps: the step is not the one asked for")
+    for i in range(args.batch):
+        engine.abort_request(str(i))
+    return elapsed / args.steps * 1000
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--suite", default="quick", choices=("quick", "standard"))
+    p.add_argument("--dtypes", default="auto,int8,fp8,int4")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-ppl", action="store_true")
+    p.add_argument("--no-step", action="store_true")
+    p.add_argument("--demote", default="", help="also dynamic at these demote_dtypes (int4,int2) and none")
+    args = p.parse_args()
+    device, env = setup(args)
+    loaded = load(args, device)
+    dtypes = args.dtypes.split(",")
+    result: dict = {**env, "suite": args.suite, "context": args.context, "batch": args.batch, "steps": args.steps}
+    t_start = time.perf_counter()
+    for dtype in dtypes:
+        llm = LLM(args.model, "full", loaded=loaded, kv_cache_dtype=dtype, kv_cache_memory=POOL)
+        result[f"{dtype}_bytes_per_token"] = llm.engine.pool.bytes_per_token
+        result[f"{dtype}_tokens_in_64MiB"] = llm.engine.pool.num_tokens
+    if not args.no_ppl:
+        items = build_workloads(loaded.tokenizer, suite_spec(args.model, args.suite), "heldout", 0).prose
+        # KV bytes against full at auto: mean resident bytes over full's, and demoted peak bytes over full's peak
+        base_resident = base_peak = None
+        for dtype in dtypes:
+            ppl, n, resident, _ = perplexity(args, loaded, dtype, items)
+            result[f"{dtype}_ppl"] = ppl
+            result["ppl_tokens"] = n
+            if dtype == "auto":
+                base_resident = resident
+                base_peak = sum(len(it.prompt_ids) for it in items) * result["auto_bytes_per_token"]
+            if base_resident:
+                result[f"{dtype}_mean_kv_bytes_vs_full_auto"] = resident / base_resident
+        dynamic = scaled_dynamic(suite_spec(args.model, args.suite).scale)
+        for demote in ["none", *filter(None, args.demote.split(","))]:
+            ppl, _, resident, demoted = perplexity(args, loaded, "auto", items, dynamic.replace(demote_dtype=demote))
+            result[f"dynamic_demote_{demote}_ppl"] = ppl
+            if base_resident:
+                result[f"dynamic_demote_{demote}_ppl_delta_pct"] = 100 * (ppl / result["auto_ppl"] - 1)
+                result[f"dynamic_demote_{demote}_mean_resident_bytes_vs_full_auto"] = resident / base_resident
+                result[f"dynamic_demote_{demote}_demoted_peak_bytes_vs_full_auto_peak"] = demoted / base_peak
+        base = result.get("auto_ppl")
+        for dtype in dtypes:
+            if base:
+                result[f"{dtype}_ppl_delta_pct"] = 100 * (result[f"{dtype}_ppl"] / base - 1)
+    if not args.no_step:
+        prompts = readme_windows(loaded, args.context, args.batch)
+        times: dict[str, list[float]] = {d: [] for d in dtypes}
+        for _ in range(args.repeats):
+            for dtype in dtypes:
+                times[dtype].append(step_ms(args, loaded, dtype, prompts))
+        for dtype in dtypes:
+            result[f"{dtype}_step_ms"] = statistics.median(times[dtype])
+            if "auto" in times:
+                result[f"{dtype}_step_vs_auto"] = result[f"{dtype}_step_ms"] / statistics.median(times["auto"])
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    report(args, result)
+
+
+if __name__ == "__main__":
+    main()

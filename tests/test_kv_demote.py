@@ -1,0 +1,133 @@
+"""``demote_dtype``: blocks an evicting policy's budget leaves out stay on the device at int4/int2 and are attended to.
+
+By construction: a pass key (a key one query head looks up, its value distinct) placed in a block the budget evicts
+is lost to plain eviction and still found, within int4's error, when the block is demoted. On tiny-random text a
+demoting ``window`` stays far closer to ``full`` than the same window evicting. A recall brings the block back at
+the pool's precision and drops its demoted copy."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from confkv import LLM
+from confkv.cache.manager import CacheManager
+from confkv.config import CachePolicy
+from confkv.controllers import make_controller
+from confkv.engine.runner import ModelRunner
+from confkv.errors import ConfkvError
+from confkv.kv.attention import PackedBatch, confkv_attention
+from confkv.kv.block_table import ON_HOST
+from confkv.kv.host import HostTier
+from confkv.kv.pool import BlockPool
+from confkv.scoring import ScoreItem, Scorer
+
+from .conftest import fresh_tiny
+
+L, KVH, D, BS = 2, 2, 8, 4
+NEEDLE, KEY_VALUE = 2, 5.0
+
+
+def _scene(demote: str):
+    """Ten blocks of four tokens and the decode token's, under a window of 25 tokens: blocks 0-3 are evicted.
+    Block 2 holds the pass key: in layer 1, KV head 1 its keys point along channel 1 and its values are
+    ``KEY_VALUE``; every other key and value is small noise."""
+    policy = CachePolicy(controller="window", max_size=24, min_recent=16, demote_dtype=demote)
+    pool = BlockPool(num_layers=L, num_kv_heads=KVH, head_dim=D, block_size=BS, num_blocks=16, dtype=torch.float32,
+                     device="cpu")  # fmt: skip
+    mgr = CacheManager(pool, HostTier(1 << 20), scaling=D**-0.5)
+    kv = mgr.open(0, make_controller(policy), 24)
+    mgr.reserve(kv, 41)  # 40 written here, and the slot of the decode token at position 40
+    g = torch.Generator().manual_seed(0)
+    for pos in range(40):
+        slot = kv.table.slot(pos)
+        pool.k[:, slot] = 0.1 * torch.randn(L, KVH, D, generator=g)
+        pool.v[:, slot] = 0.1 * torch.randn(L, KVH, D, generator=g)
+        if pos // BS == NEEDLE:
+            pool.k[1, slot, 1, 1] = 4.0
+            pool.v[1, slot, 1] = KEY_VALUE
+    mgr.evict_to(kv, 25)
+    assert [i for i, e in enumerate(kv.table.entries) if e == ON_HOST] == [0, 1, 2, 3]
+    return mgr, pool, kv
+
+
+def _decode_output(mgr: CacheManager, pool: BlockPool, kv) -> torch.Tensor:
+    """Layer 1's attention output for one decode query at position 40 whose head on KV head 1 looks the key up,
+    through the runner's packing of the demoted blocks and the attention function transformers calls."""
+    blocks, logical = kv.table.resident_blocks(40)
+    offsets = torch.arange(BS)
+    batch = PackedBatch(pool=pool, slot_mapping=torch.tensor([kv.table.slot(40)]))
+    batch.num_decode = 1
+    batch.decode_blocks = torch.tensor([blocks])
+    batch.decode_pos = (torch.tensor(logical)[:, None] * BS + offsets).reshape(1, -1)
+    batch.decode_valid = batch.decode_pos <= 40
+    batch.decode_qpos = torch.tensor([40])
+    demoted = mgr.demoted.gather(kv.seq_id, 41) if mgr.demoted.has_blocks(kv.seq_id) else None
+    if demoted is not None:
+        ModelRunner(None, pool, mgr.demoted)._pack_demoted(batch, [(0, kv.seq_id, demoted)], 1, torch.tensor([40]))
+    q = torch.zeros(1, KVH, 1, D)  # [1, heads, tokens, D]: one query head per KV head
+    q[0, 1, 0, 1] = 8.0
+    k_new = torch.zeros(1, KVH, 1, D)
+    out, _ = confkv_attention(SimpleNamespace(layer_idx=1), q, k_new, k_new.clone(), None, confkv_batch=batch)
+    return out[0, 0, 1]  # [D] of the head that looks the key up
+
+
+def test_a_pass_key_in_a_demoted_block_is_still_found_where_eviction_loses_it() -> None:
+    mgr, pool, kv = _scene("none")
+    lost = _decode_output(mgr, pool, kv)
+    assert abs(float(lost[0])) < 0.5  # evicted: the head finds only noise
+
+    mgr, pool, kv = _scene("int4")
+    assert mgr.demoted.indices_of(kv.seq_id) == [0, 1, 2, 3]
+    found = _decode_output(mgr, pool, kv)
+    assert float(found[0]) == pytest.approx(KEY_VALUE, abs=0.5)  # the key's value, through int4's rounding
+    row = mgr.demoted.codec(kv.seq_id).row_bytes(D)
+    assert mgr.demoted.used_bytes == 4 * 2 * L * BS * KVH * row  # four blocks, K and V, at 8 bytes a row (fp32: 32)
+
+
+def test_a_recall_brings_the_block_back_at_full_precision_and_drops_its_copy() -> None:
+    mgr, pool, kv = _scene("int4")
+    kv.budget = 64
+    assert mgr.restore_to_device(kv, [NEEDLE]) == 1
+    assert NEEDLE not in mgr.demoted.indices_of(kv.seq_id) and kv.table.entries[NEEDLE] >= 0
+    assert float(pool.k[1, kv.table.slot(NEEDLE * BS), 1, 1]) == 4.0  # exact: the host tier's copy came back
+    mgr.close(kv)
+    assert mgr.demoted.used_bytes == 0 and pool.num_used == 0
+
+
+def test_a_demoting_window_stays_closer_to_full_than_an_evicting_one() -> None:
+    text = "Teacher forcing reads the reference continuation chunk by chunk. " * 9
+    full = LLM("tiny-random", "full", loaded=fresh_tiny(), compact_interval=16)
+    ids = full.tokenizer(text)["input_ids"]
+    (ref,) = Scorer(full.engine).score([ScoreItem(ids, 100)], keep_topk=32)
+    kl, demoted = {}, {}
+    for demote in ("none", "int4", "int2"):
+        llm = LLM("tiny-random", "window", loaded=fresh_tiny(), compact_interval=16, max_size=64, min_recent=16,
+                  demote_dtype=demote)  # fmt: skip
+        (r,) = Scorer(llm.engine).score([ScoreItem(ids, 100, ref.topk)])
+        kl[demote], demoted[demote] = float(r.kl.mean()), r.kv["demoted_peak_bytes"]
+        assert r.kv["evicted_blocks"] > 20 and r.kv["peak_resident_tokens"] <= 100
+        assert llm.engine.stats()["demoted_used_bytes"] == 0  # the finished sequence's copies are gone
+    # measured: 1.94 nats evicting, 0.076 at int4, 0.90 at int2
+    assert kl["int4"] < 0.1 * kl["none"] and kl["int2"] < 0.6 * kl["none"] and kl["int4"] < kl["int2"]
+    assert demoted["none"] == 0 and 0 < demoted["int2"] < demoted["int4"]
+
+
+def test_a_bad_demote_dtype_is_refused() -> None:
+    with pytest.raises(ConfkvError, match="demote_dtype") as err:
+        LLM("tiny-random", "window", loaded=fresh_tiny(), demote_dtype="int3")
+    assert "\n" not in str(err.value)
+
+
+def test_a_policy_swap_to_another_demote_dtype_recodes_the_sequences_copies() -> None:
+    mgr, pool, kv = _scene("int4")
+    before = mgr.demoted.used_bytes
+    values = torch.randn(L, 1, BS, KVH, D)
+    mgr.demoted.put(kv.seq_id, [4], values, values, "int2")
+    assert mgr.demoted.codec(kv.seq_id).name == "int2" and mgr.demoted.indices_of(kv.seq_id) == [0, 1, 2, 3, 4]
+    per_row = {"int4": D // 2 + 4, "int2": D // 4 + 4}
+    assert before == 4 * 2 * L * BS * KVH * per_row["int4"]
+    assert mgr.demoted.used_bytes == 5 * 2 * L * BS * KVH * per_row["int2"]
+    assert float(_decode_output(mgr, pool, kv)[0]) == pytest.approx(KEY_VALUE, abs=0.5)  # still found at int2

@@ -1,0 +1,90 @@
+"""Quantised KV on the lower tiers: evicted blocks and session records keep the pool's packed rows, a session written
+under int8 resumes exactly under int8 (the turns it gives are the ones it gives when kept on the device), and it is
+foreign to an engine of another KV dtype (recomputed there, as a record of another model is)."""
+
+from __future__ import annotations
+
+import pytest
+
+from confkv import LLM, SamplingParams
+from confkv.sessions.store import SessionStore
+from confkv.sessions.tiers import SessionOptions
+
+from .conftest import fresh_tiny
+
+TURNS = ["Hello! Tell me about the sea.", "And what lives in it?", "Summarise what you said in one line."]
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def _chat(llm: LLM, session: str | None, between=None) -> list:
+    messages, outs = [], []
+    for i, turn in enumerate(TURNS):
+        messages.append({"role": "user", "content": turn})
+        (out,) = llm.chat([messages], PARAMS, session_id=session)
+        messages.append({"role": "assistant", "content": out.text})
+        outs.append(out)
+        if between is not None and i < len(TURNS) - 1:
+            between(llm, i)
+    return outs
+
+
+def _llm(kv_cache_dtype: str, **kw) -> LLM:
+    return LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_dtype=kv_cache_dtype, **kw)
+
+
+@pytest.fixture(scope="module")
+def on_device() -> list[list[int]]:
+    """int8 turns whose history stays on the device between turns: what every lower tier must give back."""
+    return [o.token_ids for o in _chat(_llm("int8"), "kept")]
+
+
+def test_host_tier_holds_packed_blocks_and_gives_them_back(on_device):
+    llm = _llm("int8")
+    outs = _chat(llm, "host", between=lambda llm, i: llm.engine.sessions.reclaim(10**6))
+    assert [o.token_ids for o in outs] == on_device
+    assert llm.engine.stats()["session_hits"]["host"] == 2
+    llm.engine.sessions.reclaim(10**6)
+    host = llm.engine.host
+    assert len(host) > 0 and llm.engine.pool.num_used == 0
+    # the host tier holds the pool's rows, bytes and all: a block costs there what it cost on the device
+    assert host.used_bytes == len(host) * llm.engine.pool.bytes_per_block
+
+
+def test_an_int8_session_resumes_exactly_under_int8_and_is_foreign_under_auto(on_device, tmp_path):
+    url = str(tmp_path / "sessions")
+
+    def offload(llm, i):
+        assert llm.engine.flush_sessions() == 1
+        llm.engine.sessions.parked.clear()  # the process is gone: the next turn reads the store
+
+    first = _llm("int8", sessions=SessionOptions(store_url=url))
+    outs = _chat(first, "s", between=offload)
+    assert [o.token_ids for o in outs] == on_device
+    assert all(o.cached_tokens > 0 for o in outs[1:]) and first.engine.stats()["session_hits"]["store"] == 2
+    assert first.engine.flush_sessions() == 1
+    first.close()
+
+    store = SessionStore(url)
+    record = store.get("s", expect={"dtype": "kv-int8"})
+    assert record.dtype == "kv-int8" and record.blocks
+    block = next(iter(record.blocks.values()))
+    assert block.k.dtype.itemsize == 1 and block.k.shape[-1] == first.engine.pool.row
+    # the same conversation in a float32 pool: its record's K and V take more than 3x the bytes
+    float_llm = _llm("auto", sessions=SessionOptions(store_url=str(tmp_path / "float")))
+    _chat(float_llm, "f")
+    float_llm.engine.flush_sessions()
+    float_llm.close()
+    float_record = SessionStore(str(tmp_path / "float")).get("f", expect={"dtype": "float32"})
+    assert record.kv_bytes / float_record.kv_bytes <= 0.3  # tiny-random: head_dim 16, 18 bytes a row against 64
+
+    # an engine of another KV dtype refuses the record as foreign and recomputes the conversation
+    auto = _llm("auto", sessions=SessionOptions(store_url=url))
+    messages = [{"role": "user", "content": TURNS[0]}]
+    (out,) = auto.chat([messages], PARAMS, session_id="s")
+    assert out.cached_tokens == 0 and auto.engine.stats()["session_faults"]["foreign"] == 1
+    auto.close()
+    # and so does an engine of another packed dtype: int4 rows are not int8 rows
+    int4 = _llm("int4", sessions=SessionOptions(store_url=url))
+    (out,) = int4.chat([messages], PARAMS, session_id="s")
+    assert out.cached_tokens == 0 and int4.engine.stats()["session_faults"]["foreign"] == 1
+    int4.close()
