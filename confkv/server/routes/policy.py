@@ -106,4 +106,6 @@ async def put_cache_policy(request: Request, state: StateDep) -> dict[str, Any]:
     except TimeoutError:
         raise APIError(503, "the engine did not answer in time; the policy may still be applied (GET "
                        "/v1/cache_policy says)", code="engine_unavailable") from None  # fmt: skip
+    if state.cluster is not None:  # every replica serves what one was told
+        await state.cluster.policy_changed(policy, version)
     return policy_doc(state)
