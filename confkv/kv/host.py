@@ -96,6 +96,16 @@ class HostTier:
             torch.stack([b.score for b in blocks]),
         )
 
+    def peek(self, seq_id: int, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stacked keys, values and scores of blocks that stay here (a session's write-through copy to the store);
+        ``torch.stack`` copies, so the caller owns what it gets."""
+        blocks = [self._lru[(seq_id, i)] for i in indices]
+        return (
+            torch.stack([b.k for b in blocks], dim=1),
+            torch.stack([b.v for b in blocks], dim=1),
+            torch.stack([b.score for b in blocks]),
+        )
+
     def drop_sequence(self, seq_id: int) -> None:
         for idx in list(self._by_seq.get(seq_id, ())):
             self._remove((seq_id, idx))

@@ -17,7 +17,8 @@ import logging
 import signal
 import sys
 import time
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +133,7 @@ def session_options(settings: ServerSettings, cache_dir: str | None) -> SessionO
         offload_s=settings.session_offload_s,
         ttl_s=settings.session_ttl_s,
         timeout_s=settings.session_store_timeout_s,
+        write_through=settings.session_write_through,
     )
 
 
@@ -156,11 +158,10 @@ def build_state(engine: LLMEngine, settings: ServerSettings) -> ServerState:
     return state
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run ``confkv serve`` until SIGTERM / Ctrl-C; returns the exit status."""
+def load_engine(args: argparse.Namespace, settings: ServerSettings) -> tuple[LLMEngine, PolicyChoice]:
+    """The engine ``confkv serve`` runs (one per replica under ``--replicas``) and the policy it started with."""
     from confkv.engine.engine import LLMEngine
 
-    settings = settings_from_args(args)
     choice = build_policy(args)
     info = choice.info
     config = make_engine_config(
@@ -186,25 +187,48 @@ def serve(args: argparse.Namespace) -> int:
         f"policy {info['name']} (version {info['version']}, from {info['source']}); "
         f"KV pool {engine.pool.total_bytes / 2**20:.1f} MiB ({engine.pool.num_tokens} tokens at "
         f"kv_cache_dtype {engine.pool.kv_cache_dtype}); "
-        f"session store {sessions.store_url or 'none (memory only)'}",
+        f"session store {sessions.store_url or 'none (memory only)'}"
+        f"{' (write-through)' if sessions.write_through and sessions.store_url else ''}",
         file=sys.stderr,
         flush=True,
     )
-    state = build_state(engine, settings)
-    watchers: list[Any] = []
+    return engine, choice
+
+
+def make_lifespan(
+    state: ServerState, choice: PolicyChoice, registry_url: str | None, on_start: Any = None
+) -> Callable[[Any], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: start the engine thread (and the policy follower, and ``on_start``'s async context, a
+    replica's link to its deployment), and on the way out stop them; stopping the thread writes the sessions to the
+    store."""
 
     @asynccontextmanager
     async def lifespan(_: Any):  # type: ignore[no-untyped-def]
         state.engine_thread.start()
+        watchers: list[Any] = []
         if choice.followable:
-            watchers.append(follow_policy(choice, state.engine_thread, interval_s=settings.policy_poll_s,
-                                          registry_url=args.registry_url))  # fmt: skip
+            watchers.append(follow_policy(choice, state.engine_thread, interval_s=state.settings.policy_poll_s,
+                                          registry_url=registry_url))  # fmt: skip
         try:
-            yield
+            if on_start is None:
+                yield
+            else:
+                async with on_start():
+                    yield
         finally:
             for w in watchers:
                 w.stop()
             await asyncio.get_running_loop().run_in_executor(None, state.engine_thread.stop)
+
+    return lifespan
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run ``confkv serve`` until SIGTERM / Ctrl-C; returns the exit status."""
+    settings = settings_from_args(args)
+    engine, choice = load_engine(args, settings)
+    state = build_state(engine, settings)
+    lifespan = make_lifespan(state, choice, args.registry_url)
 
     app = create_app(state, lifespan=lifespan)
     if settings.host not in ("127.0.0.1", "localhost", "::1"):

@@ -44,6 +44,7 @@ class ServerSettings(BaseModel):
     session_ttl_s: float = Field(24 * 3600.0, gt=0, description="a session unused this long is deleted")
     session_store_timeout_s: float = Field(5.0, gt=0, description="how long the store may stay silent per call")
     session_flush_s: float = Field(60.0, ge=0, description="SIGTERM: how long writing sessions to the store may take")
+    session_write_through: bool = Field(False, description="write each finished turn to the store (replicas)")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,6 +138,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="SIGTERM: seconds to write the sessions held in memory to the store before exiting",
     )
+    p.add_argument(
+        "--session-write-through",
+        action="store_true",
+        help="also write each finished turn's session to the store, so another server on the same store resumes it "
+        "if this one dies (on with --replicas)",
+    )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -168,6 +175,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             session_ttl_s=args.session_ttl_s,
             session_store_timeout_s=args.session_store_timeout_s,
             session_flush_s=args.session_flush_timeout_s,
+            session_write_through=bool(getattr(args, "session_write_through", False)),
         )
     except ValidationError as err:
         raise ConfkvError(format_validation_error(err, "server setting")) from None

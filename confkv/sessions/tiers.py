@@ -63,6 +63,10 @@ class SessionOptions:
     storage_options: dict[str, Any] | None = None
     timeout_s: float = 5.0
     store_backoff_s: float = 10.0  # after the store fails to answer, new sessions skip it this long
+    #: Also write each finished turn's record to the store while keeping it in memory, so another server sharing
+    #: the store resumes the session if this one dies (replicas behind one endpoint): a crash then loses only the
+    #: turns whose write had not landed. Off, a session reaches the store only when it goes idle or on a drain.
+    write_through: bool = False
 
 
 class SessionRequest(Protocol):
@@ -243,8 +247,11 @@ class SessionTiers:
         if seq.finish_reason == "error" or seq.num_computed == 0:
             return False
         kv = seq.kv
-        self.parked[sid] = Parked(sid, list(seq.token_ids), seq.num_computed, kv, seq.ctrl,
-                                  kv.table.resident_indices(), "device")  # fmt: skip
+        parked = Parked(sid, list(seq.token_ids), seq.num_computed, kv, seq.ctrl, kv.table.resident_indices(),
+                        "device")  # fmt: skip
+        self.parked[sid] = parked
+        if self.options.write_through and self.store is not None and sid not in self._unconfirmed_deletes:
+            self._write(parked, keep=True)
         return True
 
     def release(self, seq: SessionRequest) -> None:
@@ -302,18 +309,23 @@ class SessionTiers:
 
     def _to_store(self, parked: Parked) -> None:
         """Hand the session's whole record to the background writer and free both memory tiers at once."""
+        self._write(parked, keep=False)
+
+    def _write(self, parked: Parked, *, keep: bool) -> None:
+        """Queue the session's whole record for the store; ``keep`` (write-through) copies its blocks and leaves the
+        session where it is, else both memory tiers are freed at once and the record owns the tensors."""
         kv = parked.kv
         assert kv is not None and self.store is not None
         table = kv.table
         blocks: dict[int, BlockKV] = {}
         on_device = table.resident_indices()
         if on_device:
-            k, v, score = self.pool.read_blocks([table.entries[i] for i in on_device])
+            k, v, score = self.pool.read_blocks([table.entries[i] for i in on_device])  # indexing copies
             for j, i in enumerate(on_device):
                 blocks[i] = BlockKV(k[:, j].cpu(), v[:, j].cpu(), score[j].cpu())
         on_host = table.host_indices()
         if on_host:
-            k, v, score = self.host.take(kv.seq_id, on_host)
+            k, v, score = (self.host.peek if keep else self.host.take)(kv.seq_id, on_host)
             for j, i in enumerate(on_host):
                 blocks[i] = BlockKV(k[:, j], v[:, j], score[j])
         ctrl = parked.ctrl or BudgetState(budget=kv.budget)
@@ -335,14 +347,15 @@ class SessionTiers:
             meta={"resident": parked.resident, "table_blocks": len(table.entries)},
             **self.expect,
         )
-        self.manager.close(kv)
-        parked.kv = None
-        parked.tier = "store"
+        if not keep:
+            self.manager.close(kv)
+            parked.kv = None
+            parked.tier = "store"
         self.offload_attempts += 1
         self._pending_writes += 1
         n = self._next_job()
         self._last_put[parked.session_id] = n
-        self._submit(("put", record, parked, n))
+        self._submit(("put", record, None if keep else parked, n))  # a failed write-through leaves memory as it is
 
     def housekeeping(self) -> None:
         """Apply finished restores and writes, move idle sessions down a tier, expire old ones (between steps)."""
@@ -394,7 +407,7 @@ class SessionTiers:
                 if self._last_put.get(sid) == n:
                     del self._last_put[sid]
                 if err is not None:  # the record did not land: only what the request carries is left
-                    if self.parked.get(sid) is parked:  # not a newer turn's session parked since
+                    if parked is not None and self.parked.get(sid) is parked:  # not a newer turn's session since
                         del self.parked[sid]
                     self.offload_failures += 1
                     self._fault(err)

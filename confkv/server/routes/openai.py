@@ -52,6 +52,7 @@ async def list_models(state: StateDep) -> dict[str, Any]:
 )
 async def completions(body: P.CompletionRequest, request: Request, state: StateDep) -> Response:
     check_request(state, body, body.unsupported())
+    body.session_id = session_of(body, request)
     try:
         prompt = body.single_prompt()
     except ValueError as err:
@@ -95,6 +96,7 @@ async def completions(body: P.CompletionRequest, request: Request, state: StateD
 )
 async def chat_completions(body: P.ChatCompletionRequest, request: Request, state: StateDep) -> Response:
     check_request(state, body, body.unsupported())
+    body.session_id = session_of(body, request)
     req = GenerateRequest(
         request_id=P.new_id("chatcmpl"),
         sampling=body.sampling_kwargs(body.requested_max_tokens()),
@@ -135,6 +137,27 @@ def check_request(state: ServerState, body: P._SamplingFields, unsupported: tupl
     if unsupported is not None:
         param, message = unsupported
         raise APIError(400, message, param=param, code="unsupported_parameter")
+
+
+#: The header that names a request's session where a router must see it without reading the body: Ray Serve's proxy
+#: routes by it (``RAY_SERVE_SESSION_ID_HEADER_KEY``'s default), so ``confkv serve --replicas`` sends each session to
+#: one replica (``confkv.scaleout.router``).
+SESSION_HEADER = "x-session-id"
+
+
+def session_of(body: P._SamplingFields, request: Request) -> str | None:
+    """The request's session: the body's ``session_id``, else the ``x-session-id`` header (400 when the two differ,
+    or when the header's value cannot name a session)."""
+    header = request.headers.get(SESSION_HEADER)
+    if header is None:
+        return body.session_id
+    if body.session_id is not None and body.session_id != header:
+        raise APIError(400, f"session_id {body.session_id!r} and the {SESSION_HEADER} header {header!r} differ",
+                       param="session_id", code="invalid_value")  # fmt: skip
+    if not P.SESSION_ID_RE.fullmatch(header):
+        raise APIError(400, f"the {SESSION_HEADER} header: use 1-128 letters, digits, '.', '_' or '-', starting with "
+                       "a letter or digit", param="session_id", code="invalid_session_id")  # fmt: skip
+    return header
 
 
 async def admit(state: ServerState, req: GenerateRequest) -> RequestStream:

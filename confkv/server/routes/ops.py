@@ -27,9 +27,13 @@ async def health(state: StateDep) -> Response:
     if not et.healthy(state.settings.health_stale_s):
         reason = et.fatal or ("engine thread not running" if not et.alive else "engine step is stuck")
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+    if state.cluster is not None:  # a replica answers for the deployment: how many replicas it has
+        return JSONResponse({"status": "ok", **await state.cluster.health()})
     return JSONResponse({"status": "ok"})
 
 
 @router.get("/metrics", responses=ok(media={"text/plain": {"schema": {"type": "string"}}}))
 async def prometheus_metrics(state: StateDep) -> Response:
+    if state.cluster is not None:
+        return Response(await state.cluster.metrics(), media_type=CONTENT_TYPE_LATEST)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

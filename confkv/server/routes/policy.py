@@ -106,4 +106,10 @@ async def put_cache_policy(request: Request, state: StateDep) -> dict[str, Any]:
     except TimeoutError:
         raise APIError(503, "the engine did not answer in time; the policy may still be applied (GET "
                        "/v1/cache_policy says)", code="engine_unavailable") from None  # fmt: skip
+    if state.cluster is not None:  # every replica serves what one was told
+        try:
+            await state.cluster.policy_changed(policy, version)
+        except Exception as err:  # the hub is gone (restarting): say so rather than answer 500
+            message = f"the policy is applied here, but the other replicas could not be told ({type(err).__name__})"
+            raise APIError(503, message + "; send the PUT again", code="deployment_unavailable") from None
     return policy_doc(state)
