@@ -43,6 +43,33 @@ def _add_chunk_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_admission_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
+    p.add_argument(
+        "--admission",
+        default="reserve",
+        help="reserve (default): admit while every sequence's projected blocks fit, no preemption under full; "
+        "on_demand: allocate blocks as tokens are computed and preempt (swap to host or recompute) when the pool "
+        "runs out, as vLLM does" + ("; comma-separated to run each policy under each" if several else ""),
+    )
+
+
+def _admissions(value: str) -> tuple[str, ...]:
+    """``--admission``'s modes, checked (one line on a bad one)."""
+    from confkv.engine.scheduler import ADMISSION_MODES
+
+    modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
+    if not modes or set(modes) - set(ADMISSION_MODES):
+        raise ConfkvError(f"--admission takes {' or '.join(ADMISSION_MODES)}, not {value!r}")
+    return modes
+
+
+def _one_admission(value: str) -> str:
+    modes = _admissions(value)
+    if len(modes) > 1:
+        raise ConfkvError("--admission takes one mode here (several only for bench --suite throughput)")
+    return modes[0]
+
+
 def _add_policy_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     """--policy, --policy-file, --set; ``serving`` (``confkv serve``) adds vLLM's spelling ``--cache-policy``,
     registry references (``registry://NAME@ALIAS``, followed live) and a policy file that is watched."""
@@ -88,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a continuation of one prompt and report its KV statistics")
     _add_model_args(gen)
     _add_chunk_arg(gen)
+    _add_admission_arg(gen)
     _add_policy_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -146,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--arrival-rate", type=float, default=None, help="throughput suite: poisson requests/s")
     bench.add_argument("--requests", type=int, default=None, help="throughput suite: number of requests (48)")
     bench.add_argument("--no-hf", action="store_true", help="throughput suite: skip Hugging Face static batching")
+    _add_admission_arg(bench, several=True)
     bench.add_argument(
         "--max-tokens", type=int, default=None,
         help="throughput suite: every request generates this many tokens (prompts and pool as drawn); 1 times prompt "
@@ -155,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (streaming, /metrics)")
     _add_model_args(serve)
     _add_chunk_arg(serve)
+    _add_admission_arg(serve)
     _add_policy_args(serve, serving=True)
     from confkv.server.settings import add_serve_arguments
 
@@ -212,6 +242,7 @@ def _make_llm(args: argparse.Namespace, max_batch_size: int = 1):
         dtype=args.dtype,
         seed=getattr(args, "seed", 0),
         cache_dir=args.cache_dir,
+        admission=_one_admission(getattr(args, "admission", "reserve")),
         **parse_overrides(args.overrides),
     )
 
@@ -347,6 +378,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     from confkv.bench.throughput_report import write_throughput_report
 
     policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]
+    admissions = _admissions(args.admission)
     scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
     if not scenarios or set(scenarios) - {"burst", "poisson"}:
         raise ConfkvError("--scenarios takes burst and/or poisson")
@@ -362,7 +394,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     out_folder(args.out)
     results = run_throughput(
         args.model, policies, policy_files=args.policy_file, spec=spec, scenarios=scenarios, hf=not args.no_hf,
-        device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed,
+        device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed, admissions=admissions,
         log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
     paths = write_throughput_report(results, args.out)

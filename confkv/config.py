@@ -315,6 +315,11 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="within torch's seed range")
     cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")
     pack_weights: bool = Field(True, description="on CPU, run linear layers on oneDNN with weights packed once")
+    admission: Literal["reserve", "on_demand"] = Field(
+        "reserve",
+        description="reserve: admit while each sequence's projected blocks fit (no preemption under full); "
+        "on_demand: allocate as tokens are computed and preempt (swap or recompute) when the pool runs out (vLLM)",
+    )
 
 
 def make_engine_config(values: dict[str, Any]) -> EngineConfig:

@@ -50,6 +50,7 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
         pack_weights: bool = True,
+        admission: str = "reserve",
         loaded: LoadedModel | None = None,
         registry_url: str | None = None,
         policy_watch_interval_s: float | None = 5.0,
@@ -72,6 +73,7 @@ class LLM:
                 "seed": seed,
                 "cache_dir": cache_dir,
                 "pack_weights": pack_weights,
+                "admission": admission,
             }
         )
         self.engine = LLMEngine(config, choice.policy, loaded=loaded, policy_info=choice.info, sessions=sessions)

@@ -174,6 +174,7 @@ def serve(args: argparse.Namespace) -> int:
             "max_model_len": args.max_model_len,
             "seed": args.seed,
             "cache_dir": args.cache_dir,
+            "admission": args.admission,
         }
     )
     logging.getLogger("confkv").setLevel(args.log_level.upper())
