@@ -169,12 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
         "fitted to them)",
     )  # fmt: skip
     bench.add_argument(
-        "--scenarios", default="burst,poisson", help="throughput suite: burst (all at start) and/or poisson arrivals"
-    )
+        "--scenarios", default="burst,poisson",
+        help="throughput suite: burst (all at start) and/or poisson arrivals of the chat stream; longgen and/or "
+        "longgen_poisson for the long-generation stream (short asks, outputs 1,024-4,096 tokens on a GPU, 256-512 "
+        "on a CPU)",
+    )  # fmt: skip
     bench.add_argument("--arrival-rate", type=float, default=None, help="throughput suite: poisson requests/s")
     bench.add_argument("--requests", type=int, default=None, help="throughput suite: number of requests (48)")
     bench.add_argument("--no-hf", action="store_true", help="throughput suite: skip Hugging Face static batching")
     _add_admission_arg(bench, several=True)
+    bench.add_argument(
+        "--output-tokens", default=None, metavar="MIN,MAX",
+        help="throughput suite: draw output lengths from this range instead of the stream's (the pool follows)",
+    )  # fmt: skip
     bench.add_argument(
         "--max-tokens", type=int, default=None,
         help="throughput suite: every request generates this many tokens (prompts and pool as drawn); 1 times prompt "
@@ -372,34 +379,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from confkv.bench.throughput import TINY_THROUGHPUT, ThroughputSpec, run_throughput
+    from confkv.bench.throughput import SCENARIOS, run_throughput
     from confkv.bench.throughput_report import write_throughput_report
 
     policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]
     admissions = _admissions(args.admission)
-    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
-    if not scenarios or set(scenarios) - {"burst", "poisson"}:
-        raise ConfkvError("--scenarios takes burst and/or poisson")
+    scenarios = tuple(dict.fromkeys(s.strip() for s in args.scenarios.split(",") if s.strip()))
+    if not scenarios or set(scenarios) - set(SCENARIOS):
+        raise ConfkvError(f"--scenarios takes {', '.join(SCENARIOS)}")
     for f in args.policy_file:
         from confkv.policy_source import load_policy
 
         load_policy(f)
-    spec = TINY_THROUGHPUT if args.model == "tiny-random" else ThroughputSpec()
     changes = {"arrival_rate": args.arrival_rate, "requests": args.requests, "max_tokens": args.max_tokens}
     if any(v is not None and not (math.isfinite(v) and v > 0) for v in changes.values()):
         raise ConfkvError("--arrival-rate, --requests and --max-tokens must be positive numbers")
-    spec = dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if args.output_tokens is not None:
+        changes["output_tokens"] = _token_range(args.output_tokens)
     out_folder(args.out)
     results = run_throughput(
-        args.model, policies, policy_files=args.policy_file, spec=spec, scenarios=scenarios, hf=not args.no_hf,
+        args.model, policies, policy_files=args.policy_file, scenarios=scenarios, changes=changes, hf=not args.no_hf,
         device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed, admissions=admissions,
         log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
     paths = write_throughput_report(results, args.out)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
+
+
+def _token_range(value: str) -> tuple[int, int]:
+    """``MIN,MAX`` tokens, both positive and in order (one line on anything else)."""
+    try:
+        low, high = (int(v) for v in value.split(","))
+    except ValueError:
+        raise ConfkvError(f"--output-tokens takes MIN,MAX (two whole numbers), not {value!r}") from None
+    if not 0 < low <= high:
+        raise ConfkvError(f"--output-tokens takes 0 < MIN <= MAX, not {value!r}")
+    return low, high
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -288,3 +288,48 @@ def test_a_pass_key_goes_at_a_boundary_before_its_depth():
     assert _boundary("no sentence\nends here", 16) == 12  # else after the line
     assert _boundary("hard-wrapped words only", 16) == 13  # else after a word
     assert _boundary("unbroken", 5) == 0
+
+
+def test_bench_throughput_longgen_runs_both_admissions_and_writes_its_section(tmp_path, capsys):
+    """The long-generation stream (short asks, long outputs, the pool sized for ``full_fits`` of its longest) runs
+    every policy under both admission modes: on-demand ``full`` runs more sequences at once than reserved
+    ``full``, with the same answers, and requests/s are against on-demand ``full``."""
+    out = tmp_path / "lg"
+    args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--policies", "full,dynamic", "--scenarios",
+            "longgen", "--admission", "reserve,on_demand", "--no-hf", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    section = results["longgen"]
+    rows = section["policies"]
+    assert list(rows) == ["full:reserve", "full:on_demand", "dynamic:reserve", "dynamic:on_demand"]
+    assert section["speed_reference"] == "full:on_demand" and rows["full:on_demand"]["requests_per_s_vs_full"] == 1
+    assert rows["full:on_demand"]["exact_match_vs_full"] == 1.0
+    assert rows["full:on_demand"]["max_running"] > rows["full:reserve"]["max_running"]
+    assert rows["full:reserve"]["preemptions"] == 0
+    settings = results["settings"]
+    assert settings["stream"] == "longgen" and settings["admissions"] == ["reserve", "on_demand"]
+    assert 200 <= settings["prompt_tokens_mean"] <= 300
+    assert "## longgen: all requests submitted at the start" in (out / "report.md").read_text()
+
+
+def test_longgen_requests_are_short_asks_for_long_texts():
+    from confkv.bench.throughput import TINY_LONGGEN, make_longgen_requests
+    from tests.conftest import fresh_tiny
+
+    tok = fresh_tiny().tokenizer
+    reqs = make_longgen_requests(tok, TINY_LONGGEN)
+    assert len(reqs) == TINY_LONGGEN.requests
+    texts = [tok.decode(list(r.prompt_ids)) for r in reqs]
+    # notes fill a prompt up to its drawn length, never past the longest (only an ask alone can be longer)
+    assert all(
+        len(r.prompt_ids) <= TINY_LONGGEN.prompt_tokens[1] or "notes" not in t for r, t in zip(reqs, texts, strict=True)
+    )
+    assert sum("notes" in t for t in texts) >= len(reqs) // 2
+    assert all(TINY_LONGGEN.output_tokens[0] <= r.max_tokens <= TINY_LONGGEN.output_tokens[1] for r in reqs)
+    assert all("Aim for about" in t for t in texts)  # the ask survives its length
+    assert reqs == make_longgen_requests(tok, TINY_LONGGEN)  # deterministic by seed
+    bad = ["bench", "--model", "tiny-random", "--suite", "throughput", "--out", "unused"]
+    assert main([*bad, "--scenarios", "longgen,marathon"]) == 2
+    assert main([*bad, "--output-tokens", "9,3"]) == 2
+    assert main([*bad, "--admission", "reserve,hoard"]) == 2
