@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="throughput suite: draw output lengths from this range instead of the stream's (the pool follows)",
     )  # fmt: skip
     bench.add_argument(
+        "--ceiling", type=int, default=None, metavar="N",
+        help="throughput suite: also run full with a pool N times larger (row full:Nx), the most any policy could give",
+    )  # fmt: skip
+    bench.add_argument(
         "--max-tokens", type=int, default=None,
         help="throughput suite: every request generates this many tokens (prompts and pool as drawn); 1 times prompt "
         "reading alone",
@@ -395,11 +399,14 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     if any(v is not None and not (math.isfinite(v) and v > 0) for v in changes.values()):
         raise ConfkvError("--arrival-rate, --requests and --max-tokens must be positive numbers")
     changes = {k: v for k, v in changes.items() if v is not None}
+    if args.ceiling is not None and args.ceiling < 2:
+        raise ConfkvError("--ceiling takes a whole number of at least 2 (the pool's multiple)")
     if args.output_tokens is not None:
         changes["output_tokens"] = _token_range(args.output_tokens)
     out_folder(args.out)
     results = run_throughput(
-        args.model, policies, policy_files=args.policy_file, scenarios=scenarios, changes=changes, hf=not args.no_hf,
+        args.model, policies, policy_files=args.policy_file, scenarios=scenarios, changes=changes, ceiling=args.ceiling,
+        hf=not args.no_hf,
         device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed, admissions=admissions,
         log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip

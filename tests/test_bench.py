@@ -296,13 +296,14 @@ def test_bench_throughput_longgen_runs_both_admissions_and_writes_its_section(tm
     ``full``, with the same answers, and requests/s are against on-demand ``full``."""
     out = tmp_path / "lg"
     args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--policies", "full,dynamic", "--scenarios",
-            "longgen", "--admission", "reserve,on_demand", "--no-hf", "--out", str(out)]  # fmt: skip
+            "longgen", "--admission", "reserve,on_demand", "--ceiling", "8", "--no-hf", "--out", str(out)]  # fmt: skip
     assert main(args) == 0
     capsys.readouterr()
     results = json.loads((out / "results.json").read_text())
     section = results["longgen"]
     rows = section["policies"]
-    assert list(rows) == ["full:reserve", "full:on_demand", "dynamic:reserve", "dynamic:on_demand"]
+    assert list(rows) == ["full:reserve", "full:on_demand", "dynamic:reserve", "dynamic:on_demand", "full:8x"]
+    assert rows["full:8x"]["max_running"] == 6 and rows["full:8x"]["exact_match_vs_full"] == 1.0  # all at once
     assert section["speed_reference"] == "full:on_demand" and rows["full:on_demand"]["requests_per_s_vs_full"] == 1
     assert rows["full:on_demand"]["exact_match_vs_full"] == 1.0
     assert rows["full:on_demand"]["max_running"] > rows["full:reserve"]["max_running"]
@@ -333,3 +334,4 @@ def test_longgen_requests_are_short_asks_for_long_texts():
     assert main([*bad, "--scenarios", "longgen,marathon"]) == 2
     assert main([*bad, "--output-tokens", "9,3"]) == 2
     assert main([*bad, "--admission", "reserve,hoard"]) == 2
+    assert main([*bad, "--ceiling", "1"]) == 2

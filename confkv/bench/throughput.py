@@ -377,16 +377,25 @@ def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputS
     return out
 
 
-def _rows(chosen: list[tuple[str, CachePolicy]], admissions: tuple[str, ...]) -> list[tuple[str, CachePolicy, str]]:
-    """Every policy under every admission mode, named ``NAME:MODE`` when there are several modes."""
-    return [(name if len(admissions) == 1 else f"{name}:{mode}", policy, mode)
+Row = tuple[str, CachePolicy, str, int]  # name, policy, admission mode, pool size as a multiple of the stream's
+
+
+def _rows(chosen: list[tuple[str, CachePolicy]], admissions: tuple[str, ...], ceiling: int | None = None) -> list[Row]:
+    """Every policy under every admission mode, named ``NAME:MODE`` when there are several modes; with
+    ``ceiling``, ``full`` once more with a pool that many times larger (``full:Nx``, on demand when that mode
+    runs): how far any cache policy could go on this stream."""
+    rows = [(name if len(admissions) == 1 else f"{name}:{mode}", policy, mode, 1)
             for name, policy in chosen for mode in admissions]  # fmt: skip
+    if ceiling:
+        mode = "on_demand" if "on_demand" in admissions else admissions[0]
+        rows.append((f"full:{ceiling}x", CachePolicy(controller="full"), mode, ceiling))
+    return rows
 
 
-def _reference_rows(rows: list[tuple[str, CachePolicy, str]]) -> tuple[str, str]:
+def _reference_rows(rows: list[Row]) -> tuple[str, str]:
     """The rows quality is measured against (``full``'s first) and requests/s against (``full`` on demand when
     it ran: the baseline a vLLM user compares with)."""
-    full = [(name, mode) for name, p, mode in rows if p.controller == "full"]
+    full = [(name, mode) for name, p, mode, factor in rows if p.controller == "full" and factor == 1]
     speed = next((name for name, mode in full if mode == "on_demand"), full[0][0])
     return full[0][0], speed
 
@@ -412,6 +421,7 @@ def run_throughput(
     scenarios: tuple[str, ...] = ("burst", "poisson"),
     admissions: tuple[str, ...] = ("reserve",),
     changes: dict[str, Any] | None = None,
+    ceiling: int | None = None,
     hf: bool = True,
     device: str | None = None,
     dtype: str = "auto",
@@ -421,7 +431,7 @@ def run_throughput(
 ) -> dict[str, Any]:
     """Every scenario (``SCENARIOS``) for every policy under every admission mode; ``spec`` and
     ``longgen_spec`` size the two streams (default: ``default_spec``), and ``changes`` (spec fields) are applied to
-    both."""
+    both. ``ceiling`` adds ``full`` with a pool that many times larger."""
     t_start = time.perf_counter()
     loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
     device_type = next(loaded.model.parameters()).device.type
@@ -434,7 +444,7 @@ def run_throughput(
         chosen = stream_policies(policies, policy_files or [], sp)
         pool = pool_bytes_for(loaded, sp, chosen[0][1].block_size)
         requests = stream_requests(loaded.tokenizer, sp, seed)
-        streams[stream] = {"spec": sp, "rows": _rows(chosen, admissions), "pool": pool, "requests": requests,
+        streams[stream] = {"spec": sp, "rows": _rows(chosen, admissions, ceiling), "pool": pool, "requests": requests,
                            "settings": {**_stream_settings(loaded, sp, requests, pool), "seed": seed}}  # fmt: skip
     first = streams[SCENARIOS[scenarios[0]]]
     out: dict[str, Any] = {
@@ -443,7 +453,7 @@ def run_throughput(
         "commit": git_commit(),
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "settings": {**first["settings"], "admissions": list(admissions)},
-        "policy_settings": {name: p.model_dump(mode="json") for name, p, _ in first["rows"]},
+        "policy_settings": {name: p.model_dump(mode="json") for name, p, _, _ in first["rows"]},
     }
     traces: dict[str, dict[str, list]] = {}
     runs = sum(len(streams[SCENARIOS[s]]["rows"]) + (1 if hf else 0) for s in scenarios)
@@ -454,9 +464,10 @@ def run_throughput(
             poisson = scenario.endswith("poisson")
             requests = with_poisson_arrivals(base, sp.arrival_rate, seed) if poisson else base
             results: dict[str, StreamResult] = {}
-            for name, policy, mode in st["rows"]:
+            for name, policy, mode, factor in st["rows"]:
                 t0 = time.perf_counter()
-                llm = LLM(model, policy, loaded=loaded, kv_cache_memory=pool_bytes, max_batch_size=sp.max_batch_size,
+                llm = LLM(model, policy, loaded=loaded, kv_cache_memory=factor * pool_bytes,
+                          max_batch_size=sp.max_batch_size,
                           max_num_batched_tokens=sp.max_num_batched_tokens, seed=seed, admission=mode)  # fmt: skip
                 progress.set_note(f"{scenario} {name}")
                 results[name] = run_engine_stream(llm, requests)
