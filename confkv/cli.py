@@ -143,10 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     bench.add_argument(
         "--suite",
-        choices=["quick", "standard", "throughput"],
+        choices=["quick", "standard", "throughput", "longgen"],
         default="quick",
         help="quality and memory against the full cache: quick (items of about 1,000 tokens, for CI) or standard "
-        "(2,000-4,000 tokens, 33-50 minutes on 2 CPU cores); throughput: requests served from one KV pool",
+        "(2,000-4,000 tokens, 33-50 minutes on 2 CPU cores); throughput: requests served from one KV pool; longgen: "
+        "--runs long answers per policy and the curves of what each policy does along them",
     )
     bench.add_argument(
         "--policies",
@@ -181,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--output-tokens", default=None, metavar="MIN,MAX",
         help="throughput suite: draw output lengths from this range instead of the stream's (the pool follows)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--runs", type=int, default=None,
+        help="longgen suite: long answers per policy (default 16 on a CPU, 128 on a GPU, 6 for tiny-random; 1,000 is "
+        "the requirement's)",
     )  # fmt: skip
     bench.add_argument(
         "--ceiling", type=int, default=None, metavar="N",
@@ -352,6 +358,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.suite == "throughput":
         return _bench_throughput(args)
+    if args.suite == "longgen":
+        return _bench_longgen(args)
     policies = [p.strip() for p in (args.policies or ",".join(BUILTIN_POLICIES)).split(",") if p.strip()]
     unknown = [p for p in policies if p not in BUILTIN_POLICIES]
     if unknown:
@@ -411,6 +419,30 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
     paths = write_throughput_report(results, args.out)
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return 0
+
+
+def _bench_longgen(args: argparse.Namespace) -> int:
+    from confkv.bench.curves import run_curves
+    from confkv.bench.curves_report import write_curves_report
+
+    policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]
+    admission = _one_admission(args.admission)
+    if args.runs is not None and args.runs < 1:
+        raise ConfkvError("--runs must be a positive number")
+    for f in args.policy_file:
+        from confkv.policy_source import load_policy
+
+        load_policy(f)
+    changes = {"output_tokens": _token_range(args.output_tokens)} if args.output_tokens else {}
+    out_folder(args.out)
+    results = run_curves(
+        args.model, policies, runs=args.runs, policy_files=args.policy_file, changes=changes, admission=admission,
+        device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed,
+        log=lambda line: print(line, file=sys.stderr),
+    )  # fmt: skip
+    paths = write_curves_report(results, args.out)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
 

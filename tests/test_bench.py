@@ -335,3 +335,29 @@ def test_longgen_requests_are_short_asks_for_long_texts():
     assert main([*bad, "--output-tokens", "9,3"]) == 2
     assert main([*bad, "--admission", "reserve,hoard"]) == 2
     assert main([*bad, "--ceiling", "1"]) == 2
+
+
+def test_bench_longgen_suite_writes_curves_and_summary(tmp_path, capsys):
+    """``--suite longgen``: every policy's runs, per-position bands of each metric and the summary beside them;
+    ``full`` holds every token (share 1) and matches itself, ``dynamic`` holds less."""
+    out = tmp_path / "curves"
+    args = ["bench", "--model", "tiny-random", "--suite", "longgen", "--runs", "4", "--policies", "full,dynamic",
+            "--admission", "on_demand", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    for name in ("results.json", "report.md", "curves.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["runs"] == 4 and list(results["summary"]) == ["full", "dynamic"]
+    full, dyn = results["summary"]["full"], results["summary"]["dynamic"]
+    assert full["kv_share_mean"] == 1.0 and full["bleu4_vs_full"] == 100.0
+    assert dyn["kv_share_mean"] < 1.0
+    longest = len(results["curves"]["full"]["resident"]["p50"])  # the longest run's positions
+    assert results["settings"]["output_tokens"][0] <= longest <= results["settings"]["output_tokens"][1]
+    for metric in ("resident", "budget", "entropy", "gap", "expanded", "step_s", "kv_share"):
+        bands = results["curves"]["dynamic"][metric]
+        assert len(bands["p50"]) == len(bands["p10"]) == len(bands["p90"]) == longest, metric
+        assert all(lo <= mid <= hi for lo, mid, hi in zip(bands["p10"], bands["p50"], bands["p90"], strict=True)
+                   if lo is not None), metric  # fmt: skip
+    assert "| `dynamic` |" in (out / "report.md").read_text()
+    assert main(["bench", "--model", "tiny-random", "--suite", "longgen", "--runs", "0", "--out", str(out)]) == 2
