@@ -88,7 +88,8 @@ def test_reserve_admits_by_projection_and_never_preempts_full(alone):
 
 def test_on_demand_under_dynamic_finishes_everything_without_errors():
     """An evicting policy under on-demand admission with a pool too small for its prompts at ``max_size``: every
-    request finishes with its full length, none fails for memory."""
+    request finishes with its full length, none fails for memory, and pressure is answered by preemption, never by
+    the breaker cutting budgets."""
     llm = LLM(
         "tiny-random", "dynamic", loaded=fresh_tiny(), kv_cache_memory=24 * BLOCK_BYTES, max_batch_size=5,
         max_num_batched_tokens=64, base_size=32, max_size=96, min_recent=16, admission="on_demand",
@@ -98,7 +99,9 @@ def test_on_demand_under_dynamic_finishes_everything_without_errors():
     done, _ = _step_all(llm.engine)
     assert sorted(done) == [str(i) for i in range(len(PROMPTS))]
     assert all(len(o.token_ids) == 60 and o.finish_reason == "length" for o in done.values())
-    assert llm.engine.stats()["request_errors"] == 0 and llm.engine.pool.num_used == 0
+    stats = llm.engine.stats()
+    assert stats["request_errors"] == 0 and llm.engine.pool.num_used == 0
+    assert stats["preemptions"] > 0 and stats["breaker_trips"] == 0
 
 
 def test_a_bad_admission_mode_is_one_clear_error(capsys):

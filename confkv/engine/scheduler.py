@@ -33,9 +33,13 @@ are computed, and a request is admitted while the pool (under the low watermark 
 its next chunk plus one block for every running sequence's next step. When a running sequence cannot get a block,
 the most recently admitted one is preempted as above, but *swapped*: its device blocks move to the host tier when
 that tier has room for them, and come back, unchanged, when it is admitted again (its computed tokens are kept).
-Without room, or when the host tier has since dropped one of them, it is recomputed. ``reserve`` (the commitments
-above) never needs to preempt under a policy that keeps everything, at the price of running fewer sequences than
-the pool could hold until they have grown; ``on_demand`` fills the pool and pays with preemptions.
+Without room, or when the host tier has since dropped one of them, it is recomputed. The circuit breaker does not
+trip on demand: use past the high mark is then the pool filling as admitted sequences grow, which preemption
+answers without touching any sequence's budget (so every answer is the one it gets alone), where the breaker would
+shrink budgets again and again as admission refilled the pool. Parked sessions are still reclaimed first.
+``reserve`` (the commitments above) never needs to preempt under a policy that keeps everything, at the price of
+running fewer sequences than the pool could hold until they have grown; ``on_demand`` fills the pool and pays with
+preemptions.
 """
 
 from __future__ import annotations
@@ -171,7 +175,7 @@ class Scheduler:
             self.tripped = False
         if not self.tripped and pool.num_used > self.high_blocks:  # parked sessions go first
             self.reclaim(pool.num_used - self.low_blocks)
-        if self.tripped or pool.num_used <= self.high_blocks:
+        if self.tripped or pool.num_used <= self.high_blocks or self.admission == "on_demand":
             return
         evicting = [s for s in self.running if s.kv.controller.evicts]
         if not evicting:
