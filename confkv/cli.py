@@ -46,10 +46,10 @@ def _add_chunk_arg(p: argparse.ArgumentParser) -> None:
 def _add_admission_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument(
         "--admission",
-        default="reserve",
-        help="reserve (default): admit while every sequence's projected blocks fit, no preemption under full; "
-        "on_demand: allocate blocks as tokens are computed and preempt (swap to host or recompute) when the pool "
-        "runs out, as vLLM does" + ("; comma-separated to run each policy under each" if several else ""),
+        default="on_demand",
+        help="on_demand (default): allocate blocks as tokens are computed and preempt (swap to host or recompute) "
+        "when the pool runs out, as vLLM does; reserve: admit while every sequence's projected blocks fit, no "
+        "preemption under full" + ("; comma-separated to run each policy under each" if several else ""),
     )
 
 
@@ -259,7 +259,7 @@ def _make_llm(args: argparse.Namespace, max_batch_size: int = 1):
         dtype=args.dtype,
         seed=getattr(args, "seed", 0),
         cache_dir=args.cache_dir,
-        admission=_one_admission(getattr(args, "admission", "reserve")),
+        admission=_one_admission(getattr(args, "admission", "on_demand")),
         **parse_overrides(args.overrides),
     )
 

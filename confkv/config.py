@@ -316,9 +316,10 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")
     pack_weights: bool = Field(True, description="on CPU, run linear layers on oneDNN with weights packed once")
     admission: Literal["reserve", "on_demand"] = Field(
-        "reserve",
-        description="reserve: admit while each sequence's projected blocks fit (no preemption under full); "
-        "on_demand: allocate as tokens are computed and preempt (swap or recompute) when the pool runs out (vLLM)",
+        "on_demand",
+        description="on_demand: allocate as tokens are computed and preempt (swap or recompute) when the pool runs "
+        "out, as vLLM does (served more requests/s on the long-generation stream, BENCHMARKS.md); reserve: admit "
+        "while each sequence's projected blocks fit (no preemption under full)",
     )
 
 

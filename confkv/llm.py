@@ -50,7 +50,7 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
         pack_weights: bool = True,
-        admission: str = "reserve",
+        admission: str = "on_demand",
         loaded: LoadedModel | None = None,
         registry_url: str | None = None,
         policy_watch_interval_s: float | None = 5.0,

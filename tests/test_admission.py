@@ -75,8 +75,8 @@ def test_a_swapped_sequence_whose_blocks_the_host_dropped_is_recomputed(alone):
 
 
 def test_reserve_admits_by_projection_and_never_preempts_full(alone):
-    """``reserve`` (the default) is today's admission: under the same pool nothing is preempted and at most two of
-    the five run at once."""
+    """``reserve`` is the admission before on demand became the default: under the same pool nothing is preempted
+    and at most two of the five run at once."""
     llm = _pressed("reserve", 8 * 2**20)
     assert llm.engine.scheduler.admission == "reserve"
     for i, p in enumerate(PROMPTS):
@@ -104,7 +104,8 @@ def test_on_demand_under_dynamic_finishes_everything_without_errors():
     assert stats["preemptions"] > 0 and stats["breaker_trips"] == 0
 
 
-def test_a_bad_admission_mode_is_one_clear_error(capsys):
+def test_on_demand_is_the_default_and_a_bad_mode_is_one_clear_error(capsys):
+    assert LLM("tiny-random", "full", loaded=fresh_tiny()).engine.scheduler.admission == "on_demand"
     with pytest.raises(ConfkvError, match="admission"):
         LLM("tiny-random", "full", loaded=fresh_tiny(), admission="greedy")
     assert main(["generate", "--model", "tiny-random", "--prompt", "Hi", "--admission", "lazy"]) == 2

@@ -79,7 +79,7 @@ def test_bench_throughput_tiny_writes_everything(tmp_path, capsys):
         for name, entry in section["policies"].items():
             missing = [k for k in THROUGHPUT_KEYS if k not in entry]
             assert not missing, (name, missing)
-            assert entry["preemptions"] == 0 and entry["peak_pool_usage"] <= 1.0
+            assert entry["peak_pool_usage"] <= 1.0  # on demand (the default) it may preempt: answers still match
         full = section["policies"]["full"]
         assert full["rougeL_vs_full"] == 1.0 and full["exact_match_vs_full"] == 1.0
         # the full cache is Hugging Face's own greedy output, batched statically or continuously

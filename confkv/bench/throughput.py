@@ -419,7 +419,7 @@ def run_throughput(
     spec: ThroughputSpec | None = None,
     longgen_spec: ThroughputSpec | None = None,
     scenarios: tuple[str, ...] = ("burst", "poisson"),
-    admissions: tuple[str, ...] = ("reserve",),
+    admissions: tuple[str, ...] = ("on_demand",),
     changes: dict[str, Any] | None = None,
     ceiling: int | None = None,
     hf: bool = True,

@@ -95,7 +95,7 @@ class Scheduler:
         max_model_len: int,
         high_watermark: float = 0.9,
         low_watermark: float = 0.8,
-        admission: Admission = "reserve",
+        admission: Admission = "on_demand",
     ) -> None:
         if admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {', '.join(ADMISSION_MODES)}, not {admission!r}")
