@@ -299,7 +299,8 @@ class Scheduler:
             if self.admission == "on_demand":
                 # its next chunk (and its blocks on the host), and a block for every running sequence's next step
                 need = swapped + manager.blocks_needed(seq.kv, n)
-                if self.running and pool.num_used + need + len(self.running) > limit:
+                over = pool.num_used + need + len(self.running) - limit
+                if self.running and over > 0 and self.reclaim(over) < over:  # parked sessions leave first
                     break
             elif self.running and committed + need > limit:
                 break
