@@ -95,7 +95,10 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "confkv:kv_cache_blocks": ("pool_blocks", "KV pool blocks in all."),
     "confkv:kv_cache_used_bytes": ("pool_used_bytes", "Bytes of the device KV pool in use."),
     "confkv:kv_cache_total_bytes": ("pool_total_bytes", "Bytes of the device KV pool."),
-    "confkv:kv_cache_committed_blocks": ("committed_blocks", "KV blocks promised to admitted requests."),
+    "confkv:kv_cache_committed_blocks": (
+        "committed_blocks",
+        "KV blocks promised to admitted requests (on demand: those they hold).",
+    ),
     "confkv:host_cache_used_bytes": ("host_used_bytes", "Bytes of evicted KV held in the host tier."),
     "confkv:breaker_tripped": ("breaker_tripped", "1 while the circuit breaker holds sequences at their floor."),
 }
