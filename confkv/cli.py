@@ -49,6 +49,33 @@ def _add_chunk_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_admission_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
+    p.add_argument(
+        "--admission",
+        default="on_demand",
+        help="on_demand (default): allocate blocks as tokens are computed and preempt (swap to host or recompute) "
+        "when the pool runs out, as vLLM does; reserve: admit while every sequence's projected blocks fit, no "
+        "preemption under full" + ("; comma-separated to run each policy under each" if several else ""),
+    )
+
+
+def _admissions(value: str) -> tuple[str, ...]:
+    """``--admission``'s modes, checked (one line on a bad one)."""
+    from confkv.engine.scheduler import ADMISSION_MODES
+
+    modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
+    if not modes or set(modes) - set(ADMISSION_MODES):
+        raise ConfkvError(f"--admission takes {' or '.join(ADMISSION_MODES)}, not {value!r}")
+    return modes
+
+
+def _one_admission(value: str) -> str:
+    modes = _admissions(value)
+    if len(modes) > 1:
+        raise ConfkvError("--admission takes one mode here (several only for bench --suite throughput)")
+    return modes[0]
+
+
 def _add_policy_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     """--policy, --policy-file, --set; ``serving`` (``confkv serve``) adds vLLM's spelling ``--cache-policy``,
     registry references (``registry://NAME@ALIAS``, followed live) and a policy file that is watched."""
@@ -94,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a continuation of one prompt and report its KV statistics")
     _add_model_args(gen)
     _add_chunk_arg(gen)
+    _add_admission_arg(gen)
     _add_policy_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -121,10 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     bench.add_argument(
         "--suite",
-        choices=["quick", "standard", "throughput"],
+        choices=["quick", "standard", "throughput", "longgen"],
         default="quick",
         help="quality and memory against the full cache: quick (items of about 1,000 tokens, for CI) or standard "
-        "(2,000-4,000 tokens, 33-50 minutes on 2 CPU cores); throughput: requests served from one KV pool",
+        "(2,000-4,000 tokens, 33-50 minutes on 2 CPU cores); throughput: requests served from one KV pool; longgen: "
+        "--runs long answers per policy and the curves of what each policy does along them",
     )
     bench.add_argument(
         "--policies",
@@ -147,11 +176,28 @@ def build_parser() -> argparse.ArgumentParser:
         "fitted to them)",
     )  # fmt: skip
     bench.add_argument(
-        "--scenarios", default="burst,poisson", help="throughput suite: burst (all at start) and/or poisson arrivals"
-    )
+        "--scenarios", default="burst,poisson",
+        help="throughput suite: burst (all at start) and/or poisson arrivals of the chat stream; longgen and/or "
+        "longgen_poisson for the long-generation stream (short asks, outputs 1,024-4,096 tokens on a GPU, 256-512 "
+        "on a CPU)",
+    )  # fmt: skip
     bench.add_argument("--arrival-rate", type=float, default=None, help="throughput suite: poisson requests/s")
     bench.add_argument("--requests", type=int, default=None, help="throughput suite: number of requests (48)")
     bench.add_argument("--no-hf", action="store_true", help="throughput suite: skip Hugging Face static batching")
+    _add_admission_arg(bench, several=True)
+    bench.add_argument(
+        "--output-tokens", default=None, metavar="MIN,MAX",
+        help="throughput suite: draw output lengths from this range instead of the stream's (the pool follows)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--runs", type=int, default=None,
+        help="longgen suite: long answers per policy (default 16 on a CPU, 128 on a GPU, 6 for tiny-random; 1,000 is "
+        "the requirement's)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--ceiling", type=int, default=None, metavar="N",
+        help="throughput suite: also run full with a pool N times larger (row full:Nx), the most any policy could give",
+    )  # fmt: skip
     bench.add_argument(
         "--max-tokens", type=int, default=None,
         help="throughput suite: every request generates this many tokens (prompts and pool as drawn); 1 times prompt "
@@ -161,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (streaming, /metrics)")
     _add_model_args(serve)
     _add_chunk_arg(serve)
+    _add_admission_arg(serve)
     _add_policy_args(serve, serving=True)
     from confkv.server.settings import add_serve_arguments
 
@@ -229,6 +276,7 @@ def _make_llm(args: argparse.Namespace, max_batch_size: int = 1):
         dtype=args.dtype,
         seed=getattr(args, "seed", 0),
         cache_dir=args.cache_dir,
+        admission=_one_admission(getattr(args, "admission", "on_demand")),
         **parse_overrides(args.overrides),
     )
 
@@ -329,6 +377,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_kv_cache_dtype(args.kv_cache_dtype)  # before the model loads
     if args.suite == "throughput":
         return _bench_throughput(args)
+    if args.suite == "longgen":
+        return _bench_longgen(args)
     policies = [p.strip() for p in (args.policies or ",".join(BUILTIN_POLICIES)).split(",") if p.strip()]
     unknown = [p for p in policies if p not in BUILTIN_POLICIES]
     if unknown:
@@ -361,33 +411,71 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from confkv.bench.throughput import TINY_THROUGHPUT, ThroughputSpec, run_throughput
+    from confkv.bench.throughput import SCENARIOS, run_throughput
     from confkv.bench.throughput_report import write_throughput_report
 
     policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]
-    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
-    if not scenarios or set(scenarios) - {"burst", "poisson"}:
-        raise ConfkvError("--scenarios takes burst and/or poisson")
+    admissions = _admissions(args.admission)
+    scenarios = tuple(dict.fromkeys(s.strip() for s in args.scenarios.split(",") if s.strip()))
+    if not scenarios or set(scenarios) - set(SCENARIOS):
+        raise ConfkvError(f"--scenarios takes {', '.join(SCENARIOS)}")
     for f in args.policy_file:
         from confkv.policy_source import load_policy
 
         load_policy(f)
-    spec = TINY_THROUGHPUT if args.model == "tiny-random" else ThroughputSpec()
     changes = {"arrival_rate": args.arrival_rate, "requests": args.requests, "max_tokens": args.max_tokens}
     if any(v is not None and not (math.isfinite(v) and v > 0) for v in changes.values()):
         raise ConfkvError("--arrival-rate, --requests and --max-tokens must be positive numbers")
-    spec = dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if args.ceiling is not None and args.ceiling < 2:
+        raise ConfkvError("--ceiling takes a whole number of at least 2 (the pool's multiple)")
+    if args.output_tokens is not None:
+        changes["output_tokens"] = _token_range(args.output_tokens)
     out_folder(args.out)
     results = run_throughput(
-        args.model, policies, policy_files=args.policy_file, spec=spec, scenarios=scenarios, hf=not args.no_hf,
-        device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed,
+        args.model, policies, policy_files=args.policy_file, scenarios=scenarios, changes=changes, ceiling=args.ceiling,
+        hf=not args.no_hf,
+        device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed, admissions=admissions,
         kv_cache_dtype=args.kv_cache_dtype, log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
     paths = write_throughput_report(results, args.out)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
+
+
+def _bench_longgen(args: argparse.Namespace) -> int:
+    from confkv.bench.curves import run_curves
+    from confkv.bench.curves_report import write_curves_report
+
+    policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]
+    admission = _one_admission(args.admission)
+    if args.runs is not None and args.runs < 1:
+        raise ConfkvError("--runs must be a positive number")
+    for f in args.policy_file:
+        from confkv.policy_source import load_policy
+
+        load_policy(f)
+    changes = {"output_tokens": _token_range(args.output_tokens)} if args.output_tokens else {}
+    out_folder(args.out)
+    results = run_curves(
+        args.model, policies, runs=args.runs, policy_files=args.policy_file, changes=changes, admission=admission,
+        device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed,
+        log=lambda line: print(line, file=sys.stderr),
+    )  # fmt: skip
+    paths = write_curves_report(results, args.out)
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return 0
+
+
+def _token_range(value: str) -> tuple[int, int]:
+    """``MIN,MAX`` tokens, both positive and in order (one line on anything else)."""
+    try:
+        low, high = (int(v) for v in value.split(","))
+    except ValueError:
+        raise ConfkvError(f"--output-tokens takes MIN,MAX (two whole numbers), not {value!r}") from None
+    if not 0 < low <= high:
+        raise ConfkvError(f"--output-tokens takes 0 < MIN <= MAX, not {value!r}")
+    return low, high
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -328,6 +328,12 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="within torch's seed range")
     cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")
     pack_weights: bool = Field(True, description="on CPU, run linear layers on oneDNN with weights packed once")
+    admission: Literal["reserve", "on_demand"] = Field(
+        "on_demand",
+        description="on_demand: allocate as tokens are computed and preempt (swap or recompute) when the pool runs "
+        "out, as vLLM does (served more requests/s on the long-generation stream, BENCHMARKS.md); reserve: admit "
+        "while each sequence's projected blocks fit (no preemption under full)",
+    )
 
 
 def make_engine_config(values: dict[str, Any]) -> EngineConfig:

@@ -53,6 +53,7 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
         pack_weights: bool = True,
+        admission: str = "on_demand",
         loaded: LoadedModel | None = None,
         registry_url: str | None = None,
         policy_watch_interval_s: float | None = 5.0,
@@ -76,6 +77,7 @@ class LLM:
                 "seed": seed,
                 "cache_dir": cache_dir,
                 "pack_weights": pack_weights,
+                "admission": admission,
             }
         )
         self.engine = LLMEngine(config, choice.policy, loaded=loaded, policy_info=choice.info, sessions=sessions)

@@ -79,7 +79,7 @@ def test_bench_throughput_tiny_writes_everything(tmp_path, capsys):
         for name, entry in section["policies"].items():
             missing = [k for k in THROUGHPUT_KEYS if k not in entry]
             assert not missing, (name, missing)
-            assert entry["preemptions"] == 0 and entry["peak_pool_usage"] <= 1.0
+            assert entry["peak_pool_usage"] <= 1.0  # on demand (the default) it may preempt: answers still match
         full = section["policies"]["full"]
         assert full["rougeL_vs_full"] == 1.0 and full["exact_match_vs_full"] == 1.0
         # the full cache is Hugging Face's own greedy output, batched statically or continuously
@@ -288,3 +288,76 @@ def test_a_pass_key_goes_at_a_boundary_before_its_depth():
     assert _boundary("no sentence\nends here", 16) == 12  # else after the line
     assert _boundary("hard-wrapped words only", 16) == 13  # else after a word
     assert _boundary("unbroken", 5) == 0
+
+
+def test_bench_throughput_longgen_runs_both_admissions_and_writes_its_section(tmp_path, capsys):
+    """The long-generation stream (short asks, long outputs, the pool sized for ``full_fits`` of its longest) runs
+    every policy under both admission modes: on-demand ``full`` runs more sequences at once than reserved
+    ``full``, with the same answers, and requests/s are against on-demand ``full``."""
+    out = tmp_path / "lg"
+    args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--policies", "full,dynamic", "--scenarios",
+            "longgen", "--admission", "reserve,on_demand", "--ceiling", "8", "--no-hf", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    section = results["longgen"]
+    rows = section["policies"]
+    assert list(rows) == ["full:reserve", "full:on_demand", "dynamic:reserve", "dynamic:on_demand", "full:8x"]
+    assert rows["full:8x"]["max_running"] == 6 and rows["full:8x"]["exact_match_vs_full"] == 1.0  # all at once
+    assert section["speed_reference"] == "full:on_demand" and rows["full:on_demand"]["requests_per_s_vs_full"] == 1
+    assert rows["full:on_demand"]["exact_match_vs_full"] == 1.0
+    assert rows["full:on_demand"]["max_running"] > rows["full:reserve"]["max_running"]
+    assert rows["full:reserve"]["preemptions"] == 0
+    settings = results["settings"]
+    assert settings["stream"] == "longgen" and settings["admissions"] == ["reserve", "on_demand"]
+    assert 200 <= settings["prompt_tokens_mean"] <= 300
+    assert "## longgen: all requests submitted at the start" in (out / "report.md").read_text()
+
+
+def test_longgen_requests_are_short_asks_for_long_texts():
+    from confkv.bench.throughput import TINY_LONGGEN, make_longgen_requests
+    from tests.conftest import fresh_tiny
+
+    tok = fresh_tiny().tokenizer
+    reqs = make_longgen_requests(tok, TINY_LONGGEN)
+    assert len(reqs) == TINY_LONGGEN.requests
+    texts = [tok.decode(list(r.prompt_ids)) for r in reqs]
+    # notes fill a prompt up to its drawn length, never past the longest (only an ask alone can be longer)
+    assert all(
+        len(r.prompt_ids) <= TINY_LONGGEN.prompt_tokens[1] or "notes" not in t for r, t in zip(reqs, texts, strict=True)
+    )
+    assert sum("notes" in t for t in texts) >= len(reqs) // 2
+    assert all(TINY_LONGGEN.output_tokens[0] <= r.max_tokens <= TINY_LONGGEN.output_tokens[1] for r in reqs)
+    assert all("Aim for about" in t for t in texts)  # the ask survives its length
+    assert reqs == make_longgen_requests(tok, TINY_LONGGEN)  # deterministic by seed
+    bad = ["bench", "--model", "tiny-random", "--suite", "throughput", "--out", "unused"]
+    assert main([*bad, "--scenarios", "longgen,marathon"]) == 2
+    assert main([*bad, "--output-tokens", "9,3"]) == 2
+    assert main([*bad, "--admission", "reserve,hoard"]) == 2
+    assert main([*bad, "--ceiling", "1"]) == 2
+
+
+def test_bench_longgen_suite_writes_curves_and_summary(tmp_path, capsys):
+    """``--suite longgen``: every policy's runs, per-position bands of each metric and the summary beside them;
+    ``full`` holds every token (share 1) and matches itself, ``dynamic`` holds less."""
+    out = tmp_path / "curves"
+    args = ["bench", "--model", "tiny-random", "--suite", "longgen", "--runs", "4", "--policies", "full,dynamic",
+            "--admission", "on_demand", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    for name in ("results.json", "report.md", "curves.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["runs"] == 4 and list(results["summary"]) == ["full", "dynamic"]
+    full, dyn = results["summary"]["full"], results["summary"]["dynamic"]
+    assert full["kv_share_mean"] == 1.0 and full["bleu4_vs_full"] == 100.0
+    assert dyn["kv_share_mean"] < 1.0
+    longest = len(results["curves"]["full"]["resident"]["p50"])  # the longest run's positions
+    assert results["settings"]["output_tokens"][0] <= longest <= results["settings"]["output_tokens"][1]
+    for metric in ("resident", "budget", "entropy", "gap", "expanded", "step_s", "kv_share"):
+        bands = results["curves"]["dynamic"][metric]
+        assert len(bands["p50"]) == len(bands["p10"]) == len(bands["p90"]) == longest, metric
+        assert all(lo <= mid <= hi for lo, mid, hi in zip(bands["p10"], bands["p50"], bands["p90"], strict=True)
+                   if lo is not None), metric  # fmt: skip
+    assert "| `dynamic` |" in (out / "report.md").read_text()
+    assert main(["bench", "--model", "tiny-random", "--suite", "longgen", "--runs", "0", "--out", str(out)]) == 2

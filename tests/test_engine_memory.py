@@ -1,5 +1,5 @@
-"""Admission by what a policy keeps, the circuit breaker's hysteresis, preemption, and failures that stay with the
-request that caused them (tiny-random)."""
+"""Admission by what a policy keeps (``admission="reserve"``; on demand: ``test_admission``), the circuit breaker's
+hysteresis, preemption, and failures that stay with the request that caused them (tiny-random)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def test_admission_reserves_whole_length_for_full_so_nothing_is_preempted(tiny):
     admitting and preempting, and every output equals the one it gets alone."""
     alone = LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_memory="8MiB")
     expected = [o.token_ids for o in alone.generate(PROMPTS, greedy(40))]
-    small = LLM("tiny-random", "full", loaded=tiny, kv_cache_memory=40 * BLOCK_BYTES, max_batch_size=5)
+    small = LLM(
+        "tiny-random", "full", loaded=tiny, admission="reserve", kv_cache_memory=40 * BLOCK_BYTES, max_batch_size=5
+    )
     outs = small.generate(PROMPTS, greedy(40))
     assert [o.token_ids for o in outs] == expected
     assert small.engine.scheduler.preemptions == 0
@@ -51,12 +53,12 @@ def test_small_budget_runs_many_more_sequences_than_full(tiny, scorer):
     n_tokens = 60
     per_full = -(-(len(prompts[0]) + n_tokens) // 16)
     pool_bytes = (2 * per_full + 1) * BLOCK_BYTES
-    full = LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_memory=pool_bytes, max_batch_size=8,
-               max_num_batched_tokens=32)  # fmt: skip
+    full = LLM("tiny-random", "full", loaded=fresh_tiny(), admission="reserve", kv_cache_memory=pool_bytes,
+               max_batch_size=8, max_num_batched_tokens=32)  # fmt: skip
     _, full_running = _submit_all(full, prompts, n_tokens)
     assert max(full_running) <= 2
     llm = LLM(
-        "tiny-random", "dynamic", loaded=tiny, kv_cache_memory=pool_bytes, max_batch_size=8,
+        "tiny-random", "dynamic", loaded=tiny, admission="reserve", kv_cache_memory=pool_bytes, max_batch_size=8,
         max_num_batched_tokens=32, base_size=48, max_size=96, min_recent=16, sink_tokens=4, compact_interval=8,
         entropy_threshold=100.0, gap_threshold=0.0, scorer=scorer,
     )  # fmt: skip
@@ -73,8 +75,8 @@ def test_dynamic_comes_down_to_its_budget_once_the_prompt_is_read(tiny, scorer):
     """The first contraction does not wait for the compaction tick: right after the prompt the sequence holds
     its budget plus the new token, not max_size."""
     llm = LLM(
-        "tiny-random", "dynamic", loaded=tiny, max_num_batched_tokens=128, base_size=48, max_size=256,
-        min_recent=16, compact_interval=50, entropy_threshold=100.0, gap_threshold=0.0, scorer=scorer,
+        "tiny-random", "dynamic", loaded=tiny, admission="reserve", max_num_batched_tokens=128, base_size=48,
+        max_size=256, min_recent=16, compact_interval=50, entropy_threshold=100.0, gap_threshold=0.0, scorer=scorer,
     )  # fmt: skip
     out = llm.generate(PROMPTS[4] * 2, greedy(10))[0]  # ~820 prompt tokens
     assert out.trace.resident[0] > 256  # the first token still saw max_size plus the last chunk
@@ -86,7 +88,7 @@ def test_a_preempted_sequence_is_recomputed_to_the_same_output(tiny):
     exactly the one it gets alone."""
     alone = LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_memory="8MiB")
     expected = [o.token_ids for o in alone.generate(PROMPTS[1:], greedy(40))]
-    llm = LLM("tiny-random", "full", loaded=tiny, max_batch_size=4, max_num_batched_tokens=64)
+    llm = LLM("tiny-random", "full", loaded=tiny, admission="reserve", max_batch_size=4, max_num_batched_tokens=64)
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS[1:]):
         engine.add_request(str(i), prompt, greedy(40))
@@ -103,7 +105,7 @@ def test_pressure_after_a_swap_to_full_preempts_and_every_request_finishes(tiny)
     """Commitments made under a small dynamic budget stop holding when the policy becomes ``full`` (sequences then
     grow without trimming): the engine preempts instead of failing, and every request completes."""
     llm = LLM(
-        "tiny-random", "dynamic", loaded=tiny, kv_cache_memory=40 * BLOCK_BYTES, max_batch_size=4,
+        "tiny-random", "dynamic", loaded=tiny, admission="reserve", kv_cache_memory=40 * BLOCK_BYTES, max_batch_size=4,
         base_size=32, max_size=64, min_recent=16, max_num_batched_tokens=64,
     )  # fmt: skip
     engine = llm.engine
@@ -123,7 +125,7 @@ def test_breaker_trips_once_under_sustained_pressure_and_never_refills_by_recall
     trips, shrinks the largest sequences until use is under the low mark, refuses expansions while tripped, and
     does not trip again and again; every request finishes."""
     llm = LLM(
-        "tiny-random", "dynamic", loaded=tiny, kv_cache_memory=200 * BLOCK_BYTES, max_batch_size=4,
+        "tiny-random", "dynamic", loaded=tiny, admission="reserve", kv_cache_memory=200 * BLOCK_BYTES, max_batch_size=4,
         max_num_batched_tokens=64, base_size=64, max_size=256, min_recent=32, sink_tokens=4, compact_interval=8,
         entropy_threshold=0.0,
     )  # fmt: skip
@@ -157,7 +159,7 @@ def test_a_failing_forward_fails_only_its_own_request(tiny, monkeypatch):
     engine keeps serving."""
     alone = LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_memory="8MiB")
     expected = {str(i): o.token_ids for i, o in enumerate(alone.generate(PROMPTS[:4], greedy(24)))}
-    llm = LLM("tiny-random", "full", loaded=tiny, max_batch_size=8)
+    llm = LLM("tiny-random", "full", loaded=tiny, admission="reserve", max_batch_size=8)
     engine = llm.engine
     run = engine.runner.run
     transient = {"left": 1}
@@ -186,8 +188,8 @@ def test_a_failing_forward_fails_only_its_own_request(tiny, monkeypatch):
 def test_a_request_that_can_never_fit_fails_alone(tiny):
     """Refused at once when it is added; and if a swap makes a running request too big for the whole pool, it
     alone finishes with an error while the others complete."""
-    llm = LLM("tiny-random", "dynamic", loaded=tiny, kv_cache_memory=24 * BLOCK_BYTES, max_batch_size=4,
-              base_size=64, max_size=128, min_recent=32, max_num_batched_tokens=64)  # fmt: skip
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, admission="reserve", kv_cache_memory=24 * BLOCK_BYTES,
+              max_batch_size=4, base_size=64, max_size=128, min_recent=32, max_num_batched_tokens=64)  # fmt: skip
     engine = llm.engine
     with pytest.raises(ConfkvError, match="KV blocks"):
         engine.add_request("huge", "x" * 200, SamplingParams(max_tokens=400, ignore_eos=True),
@@ -212,7 +214,7 @@ def test_a_failing_second_pass_fails_only_its_own_request(tiny, monkeypatch):
     prompt = "Budgets move with confidence; the cache follows the budget. " * 2
     params = greedy(48)
     alone = LLM("tiny-random", "dynamic", loaded=fresh_tiny(), **kw).generate(prompt, params)[0].token_ids
-    llm = LLM("tiny-random", "dynamic", loaded=tiny, **kw)
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, admission="reserve", **kw)
     engine = llm.engine
     run = engine.runner.run
 
@@ -236,7 +238,7 @@ def test_a_swap_keeps_a_request_whose_overrides_do_not_apply(tiny):
     params = greedy(24)
     kw = dict(base_size=32, max_size=64, min_recent=16, kv_cache_memory="8MiB")
     alone = LLM("tiny-random", "dynamic", loaded=fresh_tiny(), scorer="h2o", **kw).generate(PROMPTS[0], params)
-    llm = LLM("tiny-random", "dynamic", loaded=tiny, **kw)
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, admission="reserve", **kw)
     engine = llm.engine
     engine.add_request("a", PROMPTS[0], params, policy_overrides={"scorer": "h2o"})
     engine.step()
@@ -254,8 +256,9 @@ def test_a_swap_keeps_a_request_whose_overrides_do_not_apply(tiny):
 def test_the_breaker_shrink_holds_for_a_sequence_reading_its_prompt(tiny):
     """A sequence shrunk by the breaker while it reads a long prompt stays at its floor until the breaker resets:
     it is not trimmed back only to ``max_size`` between chunks, nor set to its first budget when the prompt ends."""
-    llm = LLM("tiny-random", "dynamic", loaded=tiny, kv_cache_memory=200 * BLOCK_BYTES, max_batch_size=4,
-              max_num_batched_tokens=32, base_size=64, max_size=256, min_recent=32, sink_tokens=4)  # fmt: skip
+    llm = LLM("tiny-random", "dynamic", loaded=tiny, admission="reserve", kv_cache_memory=200 * BLOCK_BYTES,
+              max_batch_size=4, max_num_batched_tokens=32, base_size=64, max_size=256, min_recent=32,
+              sink_tokens=4)  # fmt: skip
     engine = llm.engine
     engine.add_request("long", PROMPTS[1] * 12, greedy(8))
     for _ in range(10):  # part of the prompt read, past max_size
@@ -278,7 +281,7 @@ def test_the_breaker_shrink_holds_for_a_sequence_reading_its_prompt(tiny):
 def test_a_sequence_preempted_for_room_loses_the_second_pass_scheduled_for_it(tiny):
     """Second passes are scheduled first; when a later decode must preempt the sequence that has one, its chunk
     goes too (it would run on blocks already given back)."""
-    llm = LLM("tiny-random", "full", loaded=tiny, kv_cache_memory="8MiB", max_batch_size=4)
+    llm = LLM("tiny-random", "full", loaded=tiny, admission="reserve", kv_cache_memory="8MiB", max_batch_size=4)
     engine = llm.engine
     prompt = list(range(3, 19))  # 16 tokens: the first decode needs a new block
     engine.add_request("a", prompt, greedy(8))

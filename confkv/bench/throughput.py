@@ -8,6 +8,16 @@ each, in two scenarios:
 * ``burst``: every request submitted at the start (throughput);
 * ``poisson``: requests arriving at a set rate with exponential gaps (latency under load).
 
+and, where the cache grows while decoding rather than while reading (issue 34), a *long-generation* stream: short
+chat prompts (100-300 tokens: a few lines of notes and a request for a story, report, documentation or code from
+``workloads.longgen_prompts``) with long outputs (1,024-4,096 tokens on a GPU, ``ignore_eos``), the pool again
+holding ``full_fits`` of its longest request under ``full``, so ``full`` is bound by memory:
+
+* ``longgen``: all submitted at the start; ``longgen_poisson``: Poisson arrivals.
+
+Each policy runs under every admission mode asked for (``reserve``, ``on_demand``; rows ``NAME:MODE`` when there
+are several), and ``requests_per_s_vs_full`` is against ``full`` on demand when it ran (the baseline vLLM gives).
+
 Measured per policy: requests/s and output tokens/s over the makespan, the time-weighted mean of running sequences,
 time to first token and end-to-end latency percentiles, preemptions, peak pool use, the resident KV fraction, and the
 answers' quality against ``full``'s (ROUGE-L and exact token match). Hugging Face ``generate`` on the same requests
@@ -17,6 +27,7 @@ run; it is reported as ``hf_static``.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -33,7 +44,7 @@ from confkv.bench.provenance import git_commit
 from confkv.bench.specs import baseline_policy, scaled_dynamic
 from confkv.bench.suite import row_name
 from confkv.bench.textmetrics import rouge_l
-from confkv.bench.workloads import render_chat
+from confkv.bench.workloads import longgen_prompts, render_chat
 from confkv.config import BUILTIN_POLICIES, CachePolicy
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
@@ -66,6 +77,8 @@ class ThroughputSpec:
     #: every request generates this many tokens instead of its drawn length (prompts and pool unchanged): 1 times
     #: prompt reading alone
     max_tokens: int | None = None
+    #: which requests: "chat" (documentation excerpts with a task) or "longgen" (short asks for long texts)
+    stream: str = "chat"
 
 
 #: For tiny-random (tests, CI): the same shape at toy sizes.
@@ -73,6 +86,34 @@ TINY_THROUGHPUT = ThroughputSpec(
     requests=8, prompt_tokens=(100, 200), output_tokens=(8, 24), full_fits=2, max_batch_size=8,
     max_num_batched_tokens=128, arrival_rate=40.0, scale=1 / 16,
 )  # fmt: skip
+
+
+#: The long-generation stream at the requirement's size (a GPU): 1,024-4,096 tokens per answer, many users.
+LONGGEN_GPU = ThroughputSpec(
+    requests=128, prompt_tokens=(100, 300), output_tokens=(1024, 4096), full_fits=8, max_batch_size=64,
+    max_num_batched_tokens=2048, arrival_rate=2.0, scale=1.0, stream="longgen",
+)  # fmt: skip
+#: Its CPU default, scaled to minutes on 2 cores: outputs and dynamic's sizes cut by 8, 16 requests.
+LONGGEN_CPU = ThroughputSpec(
+    requests=16, prompt_tokens=(100, 300), output_tokens=(256, 512), full_fits=4, max_batch_size=16,
+    max_num_batched_tokens=512, arrival_rate=0.2, scale=0.125, stream="longgen",
+)  # fmt: skip
+#: For tiny-random (tests, CI).
+TINY_LONGGEN = ThroughputSpec(
+    requests=6, prompt_tokens=(200, 300), output_tokens=(32, 64), full_fits=2, max_batch_size=6,
+    max_num_batched_tokens=128, arrival_rate=40.0, scale=1 / 16, stream="longgen",
+)  # fmt: skip
+#: scenario -> the stream it runs
+SCENARIOS: dict[str, str] = {"burst": "chat", "poisson": "chat", "longgen": "longgen", "longgen_poisson": "longgen"}
+
+
+def default_spec(model: str, stream: str, device_type: str = "cpu") -> ThroughputSpec:
+    """The stream's spec for a model and device: toy sizes for tiny-random, the requirement's on a GPU."""
+    if stream == "chat":
+        return TINY_THROUGHPUT if model == "tiny-random" else ThroughputSpec()
+    if model == "tiny-random":
+        return TINY_LONGGEN
+    return LONGGEN_GPU if device_type == "cuda" else LONGGEN_CPU
 
 
 @dataclass(frozen=True)
@@ -98,6 +139,41 @@ def make_requests(tokenizer: Any, spec: ThroughputSpec, seed: int = 0) -> list[S
         drawn = rng.randint(*spec.output_tokens)
         out.append(StreamRequest(tuple(prompt[: spec.prompt_tokens[1]]), spec.max_tokens or drawn))
     return out
+
+
+def make_longgen_requests(tokenizer: Any, spec: ThroughputSpec, seed: int = 0) -> list[StreamRequest]:
+    """Short chat prompts asking for long texts: a request from the held-out long-generation templates and
+    topics, after a few lines of held-out documentation as notes to draw on (which bring the prompt to its drawn
+    length); each asks for about as many words as its output length allows."""
+    rng = random.Random(f"throughput-longgen/{seed}")
+    asks = longgen_prompts("heldout")
+    rng.shuffle(asks)
+    out = []
+    for i in range(spec.requests):
+        target = rng.randint(*spec.prompt_tokens)
+        max_tokens = spec.max_tokens or rng.randint(*spec.output_tokens)
+        _, template, topic = asks[i % len(asks)]
+        ask = template.format(topic=topic) + f" Aim for about {max(10, round(0.075 * max_tokens) * 10)} words."
+        room = max(0, target - len(_longgen_chat(tokenizer, " ", ask)))  # the prompt with empty notes
+        ids = tokenizer(split_passage(6 * target, seed * 1000 + i, "heldout"), add_special_tokens=False)["input_ids"]
+        prompt = _longgen_chat(tokenizer, tokenizer.decode(ids[:room]) if room else "", ask)
+        while len(prompt) > spec.prompt_tokens[1] and room > 0:  # decoding and encoding again can add a few
+            room = max(0, room - 8)
+            prompt = _longgen_chat(tokenizer, tokenizer.decode(ids[:room]) if room else "", ask)
+        out.append(StreamRequest(prompt, max_tokens))
+    return out
+
+
+def _longgen_chat(tokenizer: Any, notes: str, ask: str) -> tuple[int, ...]:
+    content = f"Some notes you may draw on:\n\n{notes}\n\n{ask}" if notes else ask
+    return render_chat(tokenizer, [{"role": "user", "content": content}])
+
+
+def stream_requests(tokenizer: Any, spec: ThroughputSpec, seed: int = 0) -> list[StreamRequest]:
+    """The spec's stream of requests (``stream``: chat or longgen)."""
+    if spec.stream == "longgen":
+        return make_longgen_requests(tokenizer, spec, seed)
+    return make_requests(tokenizer, spec, seed)
 
 
 def _chat(tokenizer: Any, excerpt: str, task: str) -> tuple[int, ...]:
@@ -301,13 +377,51 @@ def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputS
     return out
 
 
+Row = tuple[str, CachePolicy, str, int]  # name, policy, admission mode, pool size as a multiple of the stream's
+
+
+def _rows(chosen: list[tuple[str, CachePolicy]], admissions: tuple[str, ...], ceiling: int | None = None) -> list[Row]:
+    """Every policy under every admission mode, named ``NAME:MODE`` when there are several modes; with
+    ``ceiling``, ``full`` once more with a pool that many times larger (``full:Nx``, on demand when that mode
+    runs): how far any cache policy could go on this stream."""
+    rows = [(name if len(admissions) == 1 else f"{name}:{mode}", policy, mode, 1)
+            for name, policy in chosen for mode in admissions]  # fmt: skip
+    if ceiling:
+        mode = "on_demand" if "on_demand" in admissions else admissions[0]
+        rows.append((f"full:{ceiling}x", CachePolicy(controller="full"), mode, ceiling))
+    return rows
+
+
+def _reference_rows(rows: list[Row]) -> tuple[str, str]:
+    """The rows quality is measured against (``full``'s first) and requests/s against (``full`` on demand when
+    it ran: the baseline a vLLM user compares with)."""
+    full = [(name, mode) for name, p, mode, factor in rows if p.controller == "full" and factor == 1]
+    speed = next((name for name, mode in full if mode == "on_demand"), full[0][0])
+    return full[0][0], speed
+
+
+def _stream_settings(loaded: LoadedModel, spec: ThroughputSpec, requests: list[StreamRequest], pool: int) -> dict:
+    return {
+        **asdict(spec),
+        "kv_cache_memory_bytes": pool,
+        "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in requests])),
+        "output_tokens_mean": float(np.mean([r.max_tokens for r in requests])),
+        "device": str(next(loaded.model.parameters()).device),
+        "threads": torch.get_num_threads(),
+    }
+
+
 def run_throughput(
     model: str,
     policies: list[str],
     *,
     policy_files: list[str] | None = None,
     spec: ThroughputSpec | None = None,
+    longgen_spec: ThroughputSpec | None = None,
     scenarios: tuple[str, ...] = ("burst", "poisson"),
+    admissions: tuple[str, ...] = ("on_demand",),
+    changes: dict[str, Any] | None = None,
+    ceiling: int | None = None,
     hf: bool = True,
     device: str | None = None,
     dtype: str = "auto",
@@ -316,52 +430,59 @@ def run_throughput(
     kv_cache_dtype: str = "auto",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Every policy's engine stores its KV at ``kv_cache_dtype`` in a pool of the same bytes (sized for ``full`` at
-    the model's dtype), so a quantised pool shows what its extra tokens buy in requests served."""
-    spec = spec or (TINY_THROUGHPUT if model == "tiny-random" else ThroughputSpec())
+    """Every scenario (``SCENARIOS``) for every policy under every admission mode; ``spec`` and
+    ``longgen_spec`` size the two streams (default: ``default_spec``), and ``changes`` (spec fields) are applied to
+    both. ``ceiling`` adds ``full`` with a pool that many times larger. Every engine stores its KV at
+    ``kv_cache_dtype`` in a pool of the same bytes (sized for ``full`` at the model's dtype), so a quantised pool
+    shows what its extra tokens buy in requests served."""
     t_start = time.perf_counter()
     loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
-    chosen = stream_policies(policies, policy_files or [], spec)
-    pool_bytes = pool_bytes_for(loaded, spec, chosen[0][1].block_size)
-    base = make_requests(loaded.tokenizer, spec, seed)
+    device_type = next(loaded.model.parameters()).device.type
+    specs = {"chat": spec or default_spec(model, "chat"), "longgen": longgen_spec or default_spec(model, "longgen",
+             device_type)}  # fmt: skip
+    specs = {k: dataclasses.replace(v, **(changes or {})) for k, v in specs.items()}
+    streams: dict[str, dict[str, Any]] = {}
+    for stream in dict.fromkeys(SCENARIOS[s] for s in scenarios):
+        sp = specs[stream]
+        chosen = stream_policies(policies, policy_files or [], sp)
+        pool = pool_bytes_for(loaded, sp, chosen[0][1].block_size)
+        requests = stream_requests(loaded.tokenizer, sp, seed)
+        streams[stream] = {"spec": sp, "rows": _rows(chosen, admissions, ceiling), "pool": pool, "requests": requests,
+                           "settings": {**_stream_settings(loaded, sp, requests, pool), "seed": seed}}  # fmt: skip
+    first = streams[SCENARIOS[scenarios[0]]]
     out: dict[str, Any] = {
         "model": model,
         "suite": "throughput",
         "commit": git_commit(),
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "settings": {
-            **asdict(spec),
-            "kv_cache_memory_bytes": pool_bytes,
-            "kv_cache_dtype": kv_cache_dtype,
-            "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in base])),
-            "output_tokens_mean": float(np.mean([r.max_tokens for r in base])),
-            "device": str(next(loaded.model.parameters()).device),
-            "threads": torch.get_num_threads(),
-            "seed": seed,
-        },
-        "policy_settings": {name: p.model_dump(mode="json") for name, p in chosen},
+        "settings": {**first["settings"], "admissions": list(admissions), "kv_cache_dtype": kv_cache_dtype},
+        "policy_settings": {name: p.model_dump(mode="json") for name, p, _, _ in first["rows"]},
     }
     traces: dict[str, dict[str, list]] = {}
-    runs = len(scenarios) * (len(chosen) + (1 if hf else 0))
+    runs = sum(len(streams[SCENARIOS[s]]["rows"]) + (1 if hf else 0) for s in scenarios)
     with stage(f"throughput on {model}", total=runs, unit="runs") as progress:
         for scenario in scenarios:
-            requests = base if scenario == "burst" else with_poisson_arrivals(base, spec.arrival_rate, seed)
+            st = streams[SCENARIOS[scenario]]
+            sp, base, pool_bytes = st["spec"], st["requests"], st["pool"]
+            poisson = scenario.endswith("poisson")
+            requests = with_poisson_arrivals(base, sp.arrival_rate, seed) if poisson else base
             results: dict[str, StreamResult] = {}
-            for name, policy in chosen:
+            for name, policy, mode, factor in st["rows"]:
                 t0 = time.perf_counter()
-                llm = LLM(model, policy, loaded=loaded, kv_cache_memory=pool_bytes, max_batch_size=spec.max_batch_size,
-                          max_num_batched_tokens=spec.max_num_batched_tokens, seed=seed,
-                          kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+                llm = LLM(model, policy, loaded=loaded, kv_cache_memory=factor * pool_bytes,
+                          max_batch_size=sp.max_batch_size, max_num_batched_tokens=sp.max_num_batched_tokens,
+                          seed=seed, admission=mode, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
                 progress.set_note(f"{scenario} {name}")
                 results[name] = run_engine_stream(llm, requests)
                 progress.update(1)
                 m = results[name].metrics
                 log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
-                    f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s "
-                    f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
-            reference = results[next(n for n, p in chosen if p.controller == "full")]
-            full_rps = reference.metrics["requests_per_s"]
-            section: dict[str, Any] = {"policies": {}}
+                    f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s, preemptions "
+                    f"{m['preemptions']} ({time.perf_counter() - t0:.0f}s)")  # fmt: skip
+            quality_ref, speed_ref = _reference_rows(st["rows"])
+            reference = results[quality_ref]
+            full_rps = results[speed_ref].metrics["requests_per_s"]
+            section: dict[str, Any] = {"policies": {}, "quality_reference": quality_ref, "speed_reference": speed_ref}
             for name, result in results.items():
                 section["policies"][name] = {
                     **result.metrics,
@@ -372,7 +493,7 @@ def run_throughput(
                 t0 = time.perf_counter()
                 hf_loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
                 progress.set_note(f"{scenario} hf_static")
-                static = run_hf_static(hf_loaded, requests, spec.full_fits)
+                static = run_hf_static(hf_loaded, requests, sp.full_fits)
                 progress.update(1)
                 section["hf_static"] = {**static.metrics, **_quality(static, reference)}
                 results["hf_static"] = static
@@ -381,7 +502,9 @@ def run_throughput(
             if scenario == "burst":
                 out.update(section)
             else:
-                out[scenario] = {"arrival_rate": spec.arrival_rate, **section}
+                if SCENARIOS[scenario] != SCENARIOS[scenarios[0]]:
+                    section["settings"] = st["settings"]
+                out[scenario] = {**({"arrival_rate": sp.arrival_rate} if poisson else {}), **section}
             traces[scenario] = {name: r.running for name, r in results.items()}
     out["running_trace"] = traces
     out["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)

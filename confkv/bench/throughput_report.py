@@ -11,9 +11,20 @@ from typing import Any
 
 def _sections(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     out = [("burst", results)] if "policies" in results else []
-    if "poisson" in results:
-        out.append(("poisson", results["poisson"]))
+    out += [(name, results[name]) for name in ("poisson", "longgen", "longgen_poisson") if name in results]
     return out
+
+
+def _stream_line(s: dict[str, Any]) -> str:
+    """One sentence on a stream: its requests, lengths and pool."""
+    outputs = f"outputs {s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (mean {s['output_tokens_mean']:.0f})"
+    if s.get("max_tokens"):
+        outputs = f"outputs of {s['max_tokens']} tokens each"
+    return (
+        f"{s['requests']} {s.get('stream', 'chat')} requests, prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} "
+        f"tokens (mean {s['prompt_tokens_mean']:.0f}), {outputs}; KV pool {s['kv_cache_memory_bytes'] / 2**20:.0f} "
+        f"MiB = {s['full_fits']} full-cache sequences of the longest request; max_batch_size {s['max_batch_size']}"
+    )
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -34,28 +45,28 @@ def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dic
     paths["results"].write_text(json.dumps(results, indent=2))
 
     s = results["settings"]
-    outputs = f"outputs {s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (mean {s['output_tokens_mean']:.0f})"
-    if s.get("max_tokens"):
-        outputs = f"outputs of {s['max_tokens']} tokens each"
     lines = [
         f"# Throughput: {results['model']} ({results['created']}, commit `{results['commit']}`)",
         "",
-        f"{s['requests']} requests, prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} tokens (mean "
-        f"{s['prompt_tokens_mean']:.0f}), {outputs}; KV pool {s['kv_cache_memory_bytes'] / 2**20:.0f} MiB = "
-        f"{s['full_fits']} full-cache sequences of the longest request; max_batch_size {s['max_batch_size']}; "
-        f"{s['device']}, {s['threads']} threads; {s['seconds']:.0f} s in all.",
+        f"{_stream_line(s)}; admission {', '.join(s.get('admissions', ['reserve']))}; {s['device']}, "
+        f"{s['threads']} threads; {s['seconds']:.0f} s in all.",
     ]
     for scenario, sec in _sections(results):
-        title = "all requests submitted at the start" if scenario == "burst" else (
-            f"Poisson arrivals at {sec['arrival_rate']} requests/s")  # fmt: skip
-        lines += ["", f"## {scenario}: {title}", "",
+        title = f"Poisson arrivals at {sec['arrival_rate']} requests/s" if "arrival_rate" in sec else (
+            "all requests submitted at the start")  # fmt: skip
+        lines += ["", f"## {scenario}: {title}", ""]
+        if "settings" in sec:
+            lines += [_stream_line(sec["settings"]) + ".", ""]
+        if sec.get("speed_reference", "full") != "full":
+            lines += [f"vs full: against `{sec['speed_reference']}`; quality against `{sec['quality_reference']}`.", ""]
+        lines += [
                   "| policy | req/s | vs full | out tok/s | mean running | TTFT p50 s | TTFT p99 s | latency p50 s | "
                   "latency p99 s | preemptions | peak pool % | KV % | ROUGE-L vs full | exact vs full |",
                   "|:---|" + "---:|" * 13]  # fmt: skip
         rows = dict(sec["policies"])
         if "hf_static" in sec:
             rows["hf_static"] = sec["hf_static"]
-        full_rps = sec["policies"].get("full", {}).get("requests_per_s")
+        full_rps = sec["policies"].get(sec.get("speed_reference", "full"), {}).get("requests_per_s")
         for name, m in rows.items():
             ratio = m["requests_per_s"] / full_rps if full_rps else None
             peak = m.get("peak_pool_usage")

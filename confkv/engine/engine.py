@@ -130,6 +130,7 @@ class LLMEngine:
             self.max_model_len,
             policy.memory_high_watermark,
             policy.low_watermark,
+            config.admission,
         )
         self.runner = ModelRunner(self.model, self.pool, self.manager.demoted)
         self._seqs: dict[str, Sequence] = {}

@@ -27,6 +27,19 @@ not depend on what else runs: a text scores the same alone or in any batch.
 **Preemption** is the last resort: if a running sequence still cannot get a block, the most recently admitted
 sequence gives back its blocks and returns to the front of the queue, to be recomputed from its tokens. A request
 that cannot fit even in an empty pool is reported as failed instead of being retried forever.
+
+**On-demand admission** (``admission="on_demand"``, vLLM's way) commits nothing ahead: blocks are taken as tokens
+are computed, and a request is admitted while the pool (under the low watermark for evicting policies) has room for
+its next chunk plus one block for every running sequence's next step. When a running sequence cannot get a block,
+the most recently admitted one is preempted as above, but *swapped*: its device blocks move to the host tier when
+that tier has room for them, and come back, unchanged, when it is admitted again (its computed tokens are kept).
+Without room, or when the host tier has since dropped one of them, it is recomputed. The circuit breaker does not
+trip on demand: use past the high mark is then the pool filling as admitted sequences grow, which preemption
+answers without touching any sequence's budget (so every answer is the one it gets alone), where the breaker would
+shrink budgets again and again as admission refilled the pool. Parked sessions are still reclaimed first.
+``reserve`` (the commitments above) never needs to preempt under a policy that keeps everything, at the price of
+running fewer sequences than the pool could hold until they have grown; ``on_demand`` fills the pool and pays with
+preemptions.
 """
 
 from __future__ import annotations
@@ -35,10 +48,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from confkv.cache.manager import CacheManager
 from confkv.cache.state import Reservation
 from confkv.engine.sequence import Sequence, Status
+from confkv.kv.block_table import ON_HOST
+
+Admission = Literal["reserve", "on_demand"]
+ADMISSION_MODES: tuple[str, ...] = ("reserve", "on_demand")
 
 
 @dataclass
@@ -77,8 +95,12 @@ class Scheduler:
         max_model_len: int,
         high_watermark: float = 0.9,
         low_watermark: float = 0.8,
+        admission: Admission = "on_demand",
     ) -> None:
+        if admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSION_MODES)}, not {admission!r}")
         self.manager = manager
+        self.admission = admission
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -86,6 +108,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self.recomputed_tokens = 0
+        #: on-demand preemptions that kept their blocks on the host tier, and the tokens those blocks held
+        self.swap_preemptions = 0
+        self.swapped_tokens = 0
         self.breaker_trips = 0
         self.refused_expansions = 0
         self.tripped = False
@@ -118,8 +143,10 @@ class Scheduler:
         return min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
 
     def committed(self, seq: Sequence) -> int:
-        """Blocks the sequence holds now or may hold before its budget next changes."""
+        """Blocks the sequence holds now or may hold before its budget next changes (on demand: what it holds)."""
         kv = seq.kv
+        if self.admission == "on_demand" and seq.status is Status.RUNNING:
+            return len(kv.table.device_blocks())
         projected = self.manager.projected_blocks(
             kv,
             self.total_tokens(seq),
@@ -133,10 +160,12 @@ class Scheduler:
         return sum(self.committed(s) for s in self.running)
 
     def expansion_room(self, seq: Sequence) -> float:
-        """Tokens by which ``seq``'s applied budget may rise: what the commitments leave under the high mark."""
+        """Tokens by which ``seq``'s applied budget may rise: what the commitments (on demand: the blocks in use)
+        leave under the high mark."""
         if self.tripped:
             return 0.0
-        spare = self.high_blocks - self.committed_total()
+        used = self.manager.pool.num_used if self.admission == "on_demand" else self.committed_total()
+        spare = self.high_blocks - used
         return max(0, spare) * self.manager.block_size
 
     # ------------------------------------------------------------------------------------------------ breaker
@@ -146,7 +175,7 @@ class Scheduler:
             self.tripped = False
         if not self.tripped and pool.num_used > self.high_blocks:  # parked sessions go first
             self.reclaim(pool.num_used - self.low_blocks)
-        if self.tripped or pool.num_used <= self.high_blocks:
+        if self.tripped or pool.num_used <= self.high_blocks or self.admission == "on_demand":
             return
         evicting = [s for s in self.running if s.kv.controller.evicts]
         if not evicting:
@@ -159,7 +188,45 @@ class Scheduler:
             manager.shrink(seq.kv, 0.0)
 
     def _preempt(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running set to the front of the queue: swapped (on demand, when the host tier
+        has room) or to be recomputed."""
         self.running.remove(seq)
+        if not (self.admission == "on_demand" and self._swap_out(seq)):
+            self._drop(seq)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Move a preempted sequence's device blocks to the host tier when it has room for all of them (a scored
+        text, or one waiting for its second pass, is recomputed instead); whether it did."""
+        kv, host = seq.kv, self.manager.host
+        if seq.scored or seq.rerun:
+            return False
+        indices = kv.table.resident_indices()
+        if host.capacity_bytes - host.used_bytes < len(indices) * self.manager.pool.bytes_per_block:
+            return False
+        self.manager.offload_all(kv)
+        seq.swapped = indices
+        self.swap_preemptions += 1
+        self.swapped_tokens += seq.num_computed
+        return True
+
+    def _swap_in(self, seq: Sequence) -> bool:
+        """Bring a swapped sequence's blocks back (the caller has checked there is room); False, and the sequence
+        is left to be recomputed, when the host tier dropped one of them meanwhile."""
+        kv, swapped = seq.kv, seq.swapped or []
+        seq.swapped = None
+        if any(kv.table.entries[i] != ON_HOST for i in swapped):
+            self._drop(seq)
+            return False
+        self.manager.restore_to_device(kv, swapped)
+        return True
+
+    def _drop(self, seq: Sequence) -> None:
+        """Give back every block of a preempted sequence: it is recomputed from its tokens."""
+        seq.swapped = None
         self.recomputed_tokens += seq.num_computed
         self.manager.reset(seq.kv)
         seq.num_computed = 0
@@ -169,10 +236,6 @@ class Scheduler:
             seq.token_ids = list(seq.prompt_token_ids)
             seq.ctrl = seq.controller.init_state()
             seq.recorder.restart()
-        seq.status = Status.WAITING
-        seq.preemptions += 1
-        self.preemptions += 1
-        self.waiting.appendleft(seq)
 
     # ----------------------------------------------------------------------------------------------- schedule
     def schedule(self) -> Schedule:
@@ -231,13 +294,24 @@ class Scheduler:
                 out.failed.append((seq, self._too_big(seq)))
                 continue
             limit = self.low_blocks if seq.kv.controller.evicts else pool.num_blocks
-            if self.running and committed + need > limit:
-                break
             n = self._scored_chunk(seq) if seq.scored else min(seq.num_uncomputed, budget)
-            if manager.blocks_needed(seq.kv, n) > pool.num_free:
-                self.reclaim(manager.blocks_needed(seq.kv, n) - pool.num_free)
-            if manager.blocks_needed(seq.kv, n) > pool.num_free:
+            swapped = len(seq.swapped or ())
+            if self.admission == "on_demand":
+                # its next chunk (and its blocks on the host), and a block for every running sequence's next step
+                need = swapped + manager.blocks_needed(seq.kv, n)
+                over = pool.num_used + need + len(self.running) - limit
+                if self.running and over > 0 and self.reclaim(over) < over:  # parked sessions leave first
+                    break
+            elif self.running and committed + need > limit:
                 break
+            if swapped + manager.blocks_needed(seq.kv, n) > pool.num_free:
+                self.reclaim(swapped + manager.blocks_needed(seq.kv, n) - pool.num_free)
+            if swapped + manager.blocks_needed(seq.kv, n) > pool.num_free:
+                break
+            if seq.swapped is not None and not self._swap_in(seq):  # recomputed from its first token instead
+                n = min(seq.num_uncomputed, budget) if not seq.scored else self._scored_chunk(seq)
+                if manager.blocks_needed(seq.kv, n) > pool.num_free:
+                    break
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:

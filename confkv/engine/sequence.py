@@ -90,6 +90,9 @@ class Sequence:
     restore_started: float = 0.0
     restore_s: float | None = None
     preemptions: int = 0
+    #: Preempted by on-demand admission with its blocks swapped to the host tier: their logical indices, which
+    #: come back to the device when it is admitted again.
+    swapped: list[int] | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

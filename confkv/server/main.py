@@ -176,6 +176,7 @@ def load_engine(args: argparse.Namespace, settings: ServerSettings) -> tuple[LLM
             "max_model_len": args.max_model_len,
             "seed": args.seed,
             "cache_dir": args.cache_dir,
+            "admission": args.admission,
         }
     )
     logging.getLogger("confkv").setLevel(args.log_level.upper())

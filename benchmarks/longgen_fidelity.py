@@ -1,0 +1,105 @@
+"""Quality on the long-generation stream, measured on ``full``'s own answers (issue 34, item 4a/4b).
+
+``full`` answers the throughput suite's long-generation requests (greedy, ``ignore_eos``); each policy then reads
+those answers back teacher-forced through its own cache (``confkv.scoring``, the tuner's path): the mean KL from
+``full``'s next-token distribution (its top-32, ``scoring.kl_from_topk``) and the share of tokens whose top-1 is
+``full``'s token. Unlike text overlap, these cannot drift apart at a near-tie: every position sees the same
+context. Each policy's own free answers are also scored against ``full``'s with BLEU-4 (sacrebleu) and ROUGE-L.
+Every figure has a 95% bootstrap interval over requests (1,000 resamples). The mean resident KV is what each policy
+held while scoring, as a share of what ``full`` holds.
+
+    .venv/bin/python benchmarks/longgen_fidelity.py --requests 8 --output-tokens 256,512 --policies dynamic,window
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import numpy as np
+import torch
+
+from confkv import LLM, SamplingParams
+from confkv.bench.reference import build_references
+from confkv.bench.textmetrics import bleu4, rouge_l
+from confkv.bench.throughput import LONGGEN_CPU, make_longgen_requests, stream_policies
+from confkv.model_loader import load_model
+from confkv.scoring import ScoreItem, Scorer
+
+RESAMPLES = 1000
+
+
+def interval(values: list[float], stat, seed: int = 0) -> tuple[float, float, float]:
+    """``stat`` over all requests and its 95% bootstrap interval over requests."""
+    rng = np.random.default_rng(seed)
+    idx = np.arange(len(values))
+    draws = [stat(rng.choice(idx, size=len(idx), replace=True)) for _ in range(RESAMPLES)]
+    return float(stat(idx)), float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))
+
+
+def quality(scored: list, own: list[str], ref_texts: list[str]) -> dict[str, tuple[float, float, float]]:
+    """Fidelity (KL, top-1 agreement) on full's answers, the resident KV share, and text overlap of the policy's
+    own answers with full's, each with its interval over requests."""
+    kl = [res.kl.double().numpy() for res in scored]
+    top1 = [res.greedy_match.double().numpy() for res in scored]
+    kv = [res.kv_fraction for res in scored]
+    rouge = [rouge_l([a], [b]) for a, b in zip(own, ref_texts, strict=True)]  # per pair: the mean is ROUGE-L
+
+    def pooled(per: list[np.ndarray]):
+        return lambda idx: float(np.concatenate([per[i] for i in idx]).mean())
+
+    return {
+        "kl": interval(kl, pooled(kl)),
+        "top1_agreement": interval(top1, pooled(top1)),
+        "kv_fraction": interval(kv, lambda idx: float(np.mean([kv[i] for i in idx]))),
+        "bleu4_vs_full": interval(own, lambda idx: bleu4([own[i] for i in idx], [ref_texts[i] for i in idx])),
+        "rougeL_vs_full": interval(rouge, lambda idx: float(np.mean([rouge[i] for i in idx]))),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--output-tokens", default="256,512", help="MIN,MAX tokens per answer")
+    ap.add_argument("--policies", default="dynamic", help="built-in policies at the stream's sizes (comma-separated)")
+    ap.add_argument("--policy-file", action="append", default=[], help="also a YAML policy")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    low, high = (int(v) for v in args.output_tokens.split(","))
+    spec = dataclasses.replace(LONGGEN_CPU, requests=args.requests, output_tokens=(low, high))
+    loaded = load_model(args.model, device="cpu")
+    requests = make_longgen_requests(loaded.tokenizer, spec)
+    prompts = [list(r.prompt_ids) for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    full = LLM(args.model, "full", loaded=loaded, max_batch_size=len(prompts))
+    answers = full.generate(prompts, params)
+    items = [(p + o.token_ids, 0, len(p)) for p, o in zip(prompts, answers, strict=True)]
+    refs = build_references(full, items)
+    ref_texts = [o.text for o in answers]
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    rows = {}
+    for name, policy in stream_policies(names, args.policy_file, spec):
+        if policy.controller == "full" and name == "full":
+            continue
+        llm = LLM(args.model, policy, loaded=loaded, max_batch_size=len(prompts))
+        scored = Scorer(llm.engine).score([ScoreItem(r.scored_ids, r.score_from, reference=r.topk) for r in refs])
+        own = [o.text for o in llm.generate(prompts, params)]
+        rows[name] = quality(scored, own, ref_texts)
+        print(name, {k: tuple(round(x, 4) for x in v) for k, v in rows[name].items()}, flush=True)
+    out = {
+        "model": args.model,
+        "requests": len(prompts),
+        "output_tokens": [low, high],
+        "threads": torch.get_num_threads(),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "policies": rows,
+    }
+    print(json.dumps(out, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()
