@@ -37,7 +37,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from confkv.cli import package_version
+from confkv.cli_args import package_version
 from confkv.errors import ConfkvError
 from tuner.demo import add_demo_command, cmd_demo
 from tuner.probe import add_probe_command, cmd_probe

@@ -72,7 +72,7 @@ def signature(folder: str | Path) -> ModelSignature:
 
 def log_policy_model(folder: str | Path, registry_ref: str | None = None) -> str:
     """Log the exported learned policy in ``folder`` as a pyfunc model of the active MLflow run; returns its URI."""
-    from confkv.cli import package_version
+    from confkv.cli_args import package_version
 
     link = {"confkv.registry.ref": registry_ref} if registry_ref else {}
     example = pd.DataFrame([np.full(OBS_DIM, 0.5, dtype=np.float32)], columns=list(OBS_NAMES))

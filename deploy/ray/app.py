@@ -13,7 +13,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from confkv.cli import build_parser
+from confkv.cli_args import build_parser
 from confkv.scaleout.app import build_application
 from confkv.scaleout.options import scaleout_from_args
 
