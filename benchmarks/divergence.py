@@ -27,8 +27,8 @@ from common import load, longgen_evaluator, parser, report, setup, variant_args
 
 from confkv.bench.memory import Usage, matched_budget
 from confkv.bench.specs import baseline_policy
+from confkv.bench.streams import ThroughputSpec, make_requests
 from confkv.bench.textmetrics import rouge_l
-from confkv.bench.throughput import ThroughputSpec, make_requests
 from confkv.config import CachePolicy
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import RequestOutput

@@ -23,8 +23,9 @@ import torch
 
 from confkv import LLM, SamplingParams
 from confkv.bench.reference import build_references
+from confkv.bench.streams import LONGGEN_CPU, make_longgen_requests
 from confkv.bench.textmetrics import bleu4, rouge_l
-from confkv.bench.throughput import LONGGEN_CPU, make_longgen_requests, stream_policies
+from confkv.bench.throughput import stream_policies
 from confkv.model_loader import load_model
 from confkv.scoring import ScoreItem, Scorer
 

@@ -18,7 +18,8 @@ import json
 import sys
 import time
 
-from confkv.bench.throughput import ThroughputSpec, make_requests, pool_bytes_for, run_engine_stream, stream_policies
+from confkv.bench.streams import ThroughputSpec, make_requests, pool_bytes_for
+from confkv.bench.throughput import run_engine_stream, stream_policies
 from confkv.llm import LLM
 from confkv.model_loader import load_model
 

@@ -92,7 +92,7 @@ def test_throughput_max_tokens_keeps_the_prompts_and_sets_every_output(capsys):
     """``--max-tokens 1`` times prompt reading alone: the same prompts as the full run, each generating one token."""
     import dataclasses
 
-    from confkv.bench.throughput import TINY_THROUGHPUT, make_requests
+    from confkv.bench.streams import TINY_THROUGHPUT, make_requests
     from tests.conftest import fresh_tiny
 
     tok = fresh_tiny().tokenizer
@@ -315,7 +315,7 @@ def test_bench_throughput_longgen_runs_both_admissions_and_writes_its_section(tm
 
 
 def test_longgen_requests_are_short_asks_for_long_texts():
-    from confkv.bench.throughput import TINY_LONGGEN, make_longgen_requests
+    from confkv.bench.streams import TINY_LONGGEN, make_longgen_requests
     from tests.conftest import fresh_tiny
 
     tok = fresh_tiny().tokenizer

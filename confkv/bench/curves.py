@@ -1,6 +1,6 @@
 """``confkv bench --suite longgen``: N long answers per policy, and what each policy does along them (issue 34).
 
-The throughput suite's long-generation requests (``throughput.make_longgen_requests``: short asks for stories,
+The throughput suite's long-generation requests (``streams.make_longgen_requests``: short asks for stories,
 reports, documentation and code, ``ignore_eos``) go through one engine per policy, all submitted at once, from the
 pool the throughput suite gives ``full`` (``full_fits`` of the longest request), on demand. Per run and per
 generated position it records the resident KV, the budget, the entropy and top-1/top-2 gap the controller saw,
@@ -25,14 +25,9 @@ import numpy as np
 import torch
 
 from confkv.bench.provenance import git_commit
+from confkv.bench.streams import ThroughputSpec, default_spec, make_longgen_requests, pool_bytes_for
 from confkv.bench.textmetrics import bleu4, rouge_l
-from confkv.bench.throughput import (
-    ThroughputSpec,
-    default_spec,
-    make_longgen_requests,
-    pool_bytes_for,
-    stream_policies,
-)
+from confkv.bench.throughput import stream_policies
 from confkv.engine.params import SamplingParams
 from confkv.llm import LLM
 from confkv.model_loader import load_model
