@@ -6,7 +6,9 @@ those answers back teacher-forced through its own cache (``confkv.scoring``, the
 ``full``'s token. Unlike text overlap, these cannot drift apart at a near-tie: every position sees the same
 context. Each policy's own free answers are also scored against ``full``'s with BLEU-4 (sacrebleu) and ROUGE-L.
 Every figure has a 95% bootstrap interval over requests (1,000 resamples). The mean resident KV is what each policy
-held while scoring, as a share of what ``full`` holds.
+held while scoring, as a share of what ``full`` holds. ``--noise-floor DTYPE`` adds ``full`` itself with the weights
+and KV in another dtype (row ``full@DTYPE``): what the same figures read when only the order and precision of the
+arithmetic change, the floor under which no policy's text can be told from ``full``'s.
 
     .venv/bin/python benchmarks/longgen_fidelity.py --requests 8 --output-tokens 256,512 --policies dynamic,window
 """
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--output-tokens", default="256,512", help="MIN,MAX tokens per answer")
     ap.add_argument("--policies", default="dynamic", help="built-in policies at the stream's sizes (comma-separated)")
     ap.add_argument("--policy-file", action="append", default=[], help="also a YAML policy")
+    ap.add_argument("--noise-floor", metavar="DTYPE", help="also full with its weights in DTYPE (e.g. bfloat16)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -89,6 +92,14 @@ def main() -> None:
         llm = LLM(args.model, policy, loaded=loaded, max_batch_size=len(prompts))
         scored = Scorer(llm.engine).score([ScoreItem(r.scored_ids, r.score_from, reference=r.topk) for r in refs])
         own = [o.text for o in llm.generate(prompts, params)]
+        rows[name] = quality(scored, own, ref_texts)
+        print(name, {k: tuple(round(x, 4) for x in v) for k, v in rows[name].items()}, flush=True)
+    if args.noise_floor:
+        other = load_model(args.model, device="cpu", dtype=args.noise_floor)
+        llm = LLM(args.model, "full", loaded=other, max_batch_size=len(prompts))
+        scored = Scorer(llm.engine).score([ScoreItem(r.scored_ids, r.score_from, reference=r.topk) for r in refs])
+        own = [o.text for o in llm.generate(prompts, params)]
+        name = f"full@{args.noise_floor}"
         rows[name] = quality(scored, own, ref_texts)
         print(name, {k: tuple(round(x, 4) for x in v) for k, v in rows[name].items()}, flush=True)
     out = {
