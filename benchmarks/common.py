@@ -19,6 +19,7 @@ from confkv.bench.provenance import git_commit
 from confkv.bench.specs import SuiteSpec, suite_spec
 from confkv.bench.workloads import render_chat
 from confkv.engine.engine import LLMEngine
+from confkv.engine.params import SamplingParams
 from confkv.model_loader import LoadedModel, load_model, resolve_device
 
 #: Eight chat prompts of different lengths, the same for engine and Hugging Face runs.
@@ -113,6 +114,16 @@ def readme_windows(loaded: LoadedModel, context: int, batch: int, stride: int = 
 def read_prompts(engine: LLMEngine) -> None:
     """Step ``engine`` until every request it holds has read its prompt and sampled a first token."""
     while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+
+def start_decoding(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, settle_steps: int) -> None:
+    """Submit ``prompts``, read them all, then take ``settle_steps`` decode steps, so that the steps timed next are
+    decode steps over every sequence at its settled length."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    read_prompts(engine)
+    for _ in range(settle_steps):
         engine.step()
 
 

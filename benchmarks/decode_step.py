@@ -14,7 +14,7 @@ from __future__ import annotations
 import resource
 import time
 
-from common import load, parser, read_prompts, readme_windows, report, setup
+from common import load, parser, readme_windows, report, setup, start_decoding
 from torch.nn.attention import SDPBackend
 from torch.profiler import ProfilerActivity, profile
 
@@ -49,11 +49,7 @@ def main() -> None:
         llm = LLM(args.model, policy, loaded=loaded, max_batch_size=args.batch, kv_cache_memory="2GiB",
                   pack_weights=not args.no_pack)  # fmt: skip
         engine = llm.engine
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        read_prompts(engine)
-        for _ in range(SETTLE_STEPS):
-            engine.step()
+        start_decoding(engine, prompts, params, SETTLE_STEPS)
         running = engine.scheduler.running
         made = sum(len(s.output_token_ids) for s in running)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

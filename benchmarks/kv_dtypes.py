@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 
-from common import load, parser, read_prompts, readme_windows, report, setup
+from common import load, parser, readme_windows, report, setup, start_decoding
 
 from confkv import LLM, SamplingParams
 from confkv.bench.evaluator import build_workloads
@@ -45,11 +45,7 @@ def step_ms(args, loaded, dtype: str, prompts: list[list[int]]) -> float:
     llm = LLM(args.model, "full", loaded=loaded, max_batch_size=args.batch, kv_cache_memory="1GiB",
               kv_cache_dtype=dtype)  # fmt: skip
     engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    read_prompts(engine)
-    for _ in range(SETTLE_STEPS):
-        engine.step()
+    start_decoding(engine, prompts, params, SETTLE_STEPS)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()

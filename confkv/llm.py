@@ -16,7 +16,7 @@ from confkv.engine.sequence import RequestOutput
 from confkv.errors import ConfkvError
 from confkv.model_loader import LoadedModel
 from confkv.policy_source import PolicyFollower, choose_policy
-from confkv.sessions.tiers import SessionOptions
+from confkv.sessions.state import SessionOptions
 
 if TYPE_CHECKING:
     from confkv.scoring import ScoreResult

@@ -6,26 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from confkv import LLM, SamplingParams
+from confkv import LLM
 from confkv.sessions.store import SessionStore
 from confkv.sessions.tiers import SessionOptions
 
 from .conftest import fresh_tiny
-
-TURNS = ["Hello! Tell me about the sea.", "And what lives in it?", "Summarise what you said in one line."]
-PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
-
-
-def _chat(llm: LLM, session: str | None, between=None) -> list:
-    messages, outs = [], []
-    for i, turn in enumerate(TURNS):
-        messages.append({"role": "user", "content": turn})
-        (out,) = llm.chat([messages], PARAMS, session_id=session)
-        messages.append({"role": "assistant", "content": out.text})
-        outs.append(out)
-        if between is not None and i < len(TURNS) - 1:
-            between(llm, i)
-    return outs
+from .test_sessions import PARAMS, TURNS, _chat
 
 
 def _llm(kv_cache_dtype: str, **kw) -> LLM:

@@ -27,7 +27,7 @@ import torch
 from confkv.bench.provenance import git_commit
 from confkv.bench.streams import ThroughputSpec, default_spec, make_longgen_requests, pool_bytes_for
 from confkv.bench.textmetrics import bleu4, rouge_l
-from confkv.bench.throughput import stream_policies
+from confkv.bench.throughput import collect_finished, stream_policies
 from confkv.engine.params import SamplingParams
 from confkv.llm import LLM
 from confkv.model_loader import load_model
@@ -53,10 +53,7 @@ def run_policy(llm: LLM, requests: list) -> tuple[dict[str, list[np.ndarray]], l
         dt = time.perf_counter() - s0
         for o in outs:
             step_s[o.request_id].extend([dt] * len(o.new_token_ids))
-            if o.finished and o.output is not None:
-                if o.output.finish_reason == "error":
-                    raise RuntimeError(f"request {o.request_id} failed: {o.output.error}")
-                outputs[int(o.request_id)] = o.output
+        collect_finished(outs, outputs)
     makespan = time.perf_counter() - t0
     outs = [outputs[i] for i in range(len(requests))]
     per: dict[str, list[np.ndarray]] = {m: [] for m in METRICS}

@@ -72,6 +72,16 @@ class StreamResult:
     running: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, running sequences)
 
 
+def collect_finished(step_outputs: list, outputs: dict[int, Any]) -> None:
+    """Keep each finished request's output under its index; a request the engine failed ends the run (a benchmark
+    row over fewer requests than asked would compare unlike with like)."""
+    for o in step_outputs:
+        if o.finished and o.output is not None:
+            if o.output.finish_reason == "error":
+                raise RuntimeError(f"request {o.request_id} failed: {o.output.error}")
+            outputs[int(o.request_id)] = o.output
+
+
 def run_engine_stream(llm: LLM, requests: list[StreamRequest]) -> StreamResult:
     """Submit each request at its arrival time and step the engine until every one is finished."""
     engine = llm.engine
@@ -102,11 +112,7 @@ def run_engine_stream(llm: LLM, requests: list[StreamRequest]) -> StreamResult:
         busy += dt
         peak_usage = max(peak_usage, engine.pool.usage)
         running_trace.append((time.perf_counter() - t0, len(engine.scheduler.running)))
-        for o in step_outputs:
-            if o.finished and o.output is not None:
-                if o.output.finish_reason == "error":
-                    raise RuntimeError(f"request {o.request_id} failed: {o.output.error}")
-                outputs[int(o.request_id)] = o.output
+        collect_finished(step_outputs, outputs)
     makespan = time.perf_counter() - t0
     outs = [outputs[i] for i in range(len(requests))]
     # from the request's arrival, as for hf_static: one that arrived during a step was submitted only after it

@@ -48,7 +48,8 @@ from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
 from confkv.model_loader import LoadedModel, load_model, resolve_device
 from confkv.sessions.record import model_fingerprint
-from confkv.sessions.tiers import SessionOptions, SessionTiers
+from confkv.sessions.state import SessionOptions
+from confkv.sessions.tiers import SessionTiers
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from confkv.server.state import ServerState
 
 if TYPE_CHECKING:
     from confkv.engine.engine import LLMEngine
-    from confkv.sessions.tiers import SessionOptions
+    from confkv.sessions.state import SessionOptions
 
 log = logging.getLogger("confkv.server")
 
@@ -119,8 +119,8 @@ def session_options(settings: ServerSettings, cache_dir: str | None) -> SessionO
     (``default_url``), ``none`` no store (sessions live in memory only and are lost at exit). S3 endpoint,
     credentials and region come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), read by
     s3fs/botocore, so no secret ever appears on a command line."""
+    from confkv.sessions.state import SessionOptions
     from confkv.sessions.store import default_url
-    from confkv.sessions.tiers import SessionOptions
 
     url = settings.session_store
     if url is None:

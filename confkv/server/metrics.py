@@ -56,7 +56,7 @@ ERROR_KINDS: tuple[str, ...] = (
 ENGINE_ERROR_KINDS: tuple[str, ...] = ("too_large", "forward", "sampling")
 ENGINE_ERROR_PREFIX = "engine_"
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
-#: session tiers and store fault kinds (``confkv.sessions.tiers.TIERS``, ``confkv.sessions.store.FAULT_KINDS``),
+#: session tiers and store fault kinds (``confkv.sessions.state.TIERS``, ``confkv.sessions.store.FAULT_KINDS``),
 #: restated so that every series exists from the start (and this module imports no torch).
 SESSION_TIERS: tuple[str, ...] = ("device", "host", "store")
 SESSION_FAULT_KINDS: tuple[str, ...] = ("unavailable", "corrupt", "foreign", "error")
