@@ -371,16 +371,23 @@ def test_a_record_of_another_model_falls_back_to_recomputation(backend: Backend)
     from confkv.sessions.tiers import SessionOptions
 
     b = backend
-    # what `confkv serve --model tiny-random --seed 7` would have written under the same session id
-    other = LLM(MODEL, "full", loaded=fresh_tiny(seed=7), kv_cache_memory="4MiB",
-                sessions=SessionOptions(store_url=b.url))  # fmt: skip
-    other.chat([[{"role": "user", "content": TURNS[0]}]], SamplingParams(max_tokens=4), session_id="foreign")
-    assert other.engine.flush_sessions() == 1
-    other.close()
-    before = _faults(b, "foreign")
-    (text, _, cached, _) = turn(b, [{"role": "user", "content": TURNS[0]}], "foreign")
-    assert text == b.reference[0][0] and cached == 0
-    assert _faults(b, "foreign") == before + 1
+    kinds = ("foreign", "corrupt", "unavailable")
+    for attempt in ("foreign", "foreign-again"):
+        # what `confkv serve --model tiny-random --seed 7` would have written under the same session id
+        other = LLM(MODEL, "full", loaded=fresh_tiny(seed=7), kv_cache_memory="4MiB",
+                    sessions=SessionOptions(store_url=b.url))  # fmt: skip
+        other.chat([[{"role": "user", "content": TURNS[0]}]], SamplingParams(max_tokens=4), session_id=attempt)
+        assert other.engine.flush_sessions() == 1
+        other.close()
+        before = {k: _faults(b, k) for k in kinds}
+        (text, _, cached, _) = turn(b, [{"role": "user", "content": TURNS[0]}], attempt)
+        assert text == b.reference[0][0] and cached == 0
+        counted = {k: _faults(b, k) - before[k] for k in kinds}
+        # The server reads the store with a 1 s timeout; on a loaded machine a slow (moto) answer, or the backoff
+        # a slow earlier write set, is counted as `unavailable` and the record is never read: try once more.
+        if counted["unavailable"] == 0:
+            break
+    assert counted == {"foreign": 1, "corrupt": 0, "unavailable": 0}, counted
 
 
 def test_s3_stopped_mid_run_falls_back_and_is_used_again_when_it_returns(backend: Backend) -> None:
