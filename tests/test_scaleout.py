@@ -189,6 +189,18 @@ def test_scaleout_flags_map_to_ray_serve_options():
                                           "target_ongoing_requests": 3}  # fmt: skip
 
 
+def test_write_through_is_on_under_replicas_unless_turned_off():
+    from confkv.cli import build_parser
+    from confkv.scaleout.options import replica_args
+
+    def given(*flags: str) -> dict[str, Any]:
+        return replica_args(build_parser().parse_args(["serve", "--model", MODEL, "--replicas", "2", *flags]))
+
+    assert given()["session_write_through"] is True
+    assert given("--no-session-write-through")["session_write_through"] is False
+    assert "replicas" not in given() and given()["model"] == MODEL  # the deployment's flags stay out of a replica's
+
+
 def _cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "confkv.cli", *args]
@@ -197,7 +209,11 @@ def _cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str
 
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--replicas", "0"], "replicas"), (["--replicas", "3", "--max-replicas", "2"], "outside")],
+    [
+        (["--replicas", "0"], "replicas"),
+        (["--replicas", "3", "--max-replicas", "2"], "outside"),
+        (["--replicas", "1", "--max-queued-requests", "0"], "--max-queued-requests"),
+    ],
 )
 def test_bad_scaleout_flags_are_one_line_errors(flags, message):
     out = _cli("serve", "--model", MODEL, *flags)
@@ -265,8 +281,9 @@ TIGHT = "confkv-tight"
 @pytest.fixture(scope="module")
 def tight(cluster, tmp_path_factory):
     """A second application beside the first, on the same Ray Serve and session store, under ``/tight``: two
-    replicas that run one request each with one more queued (beyond: 429), follow a registry alias, and keep their
-    sessions in memory only (``--no-session-write-through``), so that only their drain puts them in the store."""
+    replicas that run one request each with one more queued (beyond: 429), follow a registry alias, keep their
+    sessions in memory only (``--no-session-write-through``), so that only their drain puts them in the store, and
+    autoscale between one and two (Ray scales down only after ten idle minutes: these tests keep both)."""
     registry = pytest.importorskip("store.registry", reason="the policy registry (store/) is not installed")
     from ray import serve
 
@@ -284,12 +301,24 @@ def tight(cluster, tmp_path_factory):
         ["serve", "--model", MODEL, "--policy", "registry://tight@production", "--registry-url", reg_url,
          "--policy-poll-interval", "0.2", "--api-key", KEY, "--session-store", str(store), "--no-session-write-through",
          "--replicas", "2", "--replica-cpus", "0.5", "--max-ongoing-requests", "1", "--max-queued-requests", "1",
-         "--retry-after-s", "3", "--shutdown-grace", "5"]
+         "--retry-after-s", "3", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1",
+         "--shutdown-grace", "5"]
     )  # fmt: skip
     serve.run(build_application(args, scaleout_from_args(args), app_name=TIGHT), name=TIGHT, route_prefix="/tight")
     yield Endpoint(ep.url, "/tight"), reg
     serve.delete(TIGHT)  # a no-op where the drain test deleted it
     remove_hub(TIGHT)
+
+
+def test_autoscaling_bounds_reach_ray_serve(tight):
+    from ray.serve.context import _get_global_client
+
+    deployment = _get_global_client().get_serve_details()["applications"][TIGHT]["deployments"]["ConfkvReplica"]
+    auto = deployment["deployment_config"]["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 2, 1)
+    assert deployment["target_num_replicas"] == 2  # --replicas: the initial count
+    config = deployment["deployment_config"]
+    assert (config["max_ongoing_requests"], config["max_queued_requests"]) == (1, 1)
 
 
 def test_requests_beyond_the_running_and_queued_limits_get_429_at_once(tight):
