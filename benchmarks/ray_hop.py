@@ -1,9 +1,12 @@
 """What the Ray Serve hop costs by itself: a request that does no engine work (``GET /v1/models``, and ``/health``,
 which under ``--replicas`` asks the replicas' hub) timed on a plain ``confkv serve`` and on ``confkv serve
 --replicas 1``, one request at a time. Beside ``serve_load.py``'s streamed requests, it separates the proxy and
-router path from the engine's share of the added time.
+router path from the engine's share of the added time. ``--servers`` adds Ray Serve applications with no confkv
+code (``ray_bare.py``: a FastAPI ingress, and a plain function deployment), so that the hop's cost splits into Ray
+Serve's own and the confkv replica's; Ray's settings (``RAY_SERVE_*``) are taken from the environment.
 
     python benchmarks/ray_hop.py --model tiny-random --requests 300
+    python benchmarks/ray_hop.py --servers plain,replica,fastapi,function --requests 300
 """
 
 from __future__ import annotations
@@ -46,13 +49,29 @@ def main() -> int:
     ap.add_argument("--model", default="tiny-random")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--port", type=int, default=8711)
+    ap.add_argument("--servers", default="plain,replica",
+                    help="comma-separated, of: plain (confkv serve), replica (confkv serve --replicas 1), fastapi and "
+                    "function (Ray Serve with no confkv code, ray_bare.py)")  # fmt: skip
     args = ap.parse_args()
     confkv = os.path.join(os.path.dirname(sys.executable), "confkv")
-    servers = [("confkv serve", []), ("--replicas 1", ["--replicas", "1", "--replica-cpus", "1"])]
+    bare = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_bare.py")]
+    known = {
+        "plain": ("confkv serve", lambda port: [confkv, "serve", "--model", args.model, "--port", str(port),
+                                                 "--log-level", "warning"]),
+        "replica": ("--replicas 1", lambda port: [confkv, "serve", "--model", args.model, "--port", str(port),
+                                                   "--log-level", "warning", "--replicas", "1", "--replica-cpus", "1"]),
+        "fastapi": ("Ray Serve, FastAPI ingress, no confkv", lambda port: [*bare, "--kind", "fastapi", "--port",
+                                                                           str(port)]),
+        "function": ("Ray Serve, function deployment", lambda port: [*bare, "--kind", "function", "--port", str(port)]),
+    }  # fmt: skip
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in known]:
+        ap.error(f"unknown server(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     print("| server | path | p50 ms | p99 ms |\n|---|---|---:|---:|")
-    for i, (label, extra) in enumerate(servers):
+    for i, name in enumerate(names):
+        label, make_cmd = known[name]
         port = args.port + i
-        cmd = [confkv, "serve", "--model", args.model, "--port", str(port), "--log-level", "warning", *extra]
+        cmd = make_cmd(port)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             if not wait_until_up(f"http://127.0.0.1:{port}/v1/models", 180):

@@ -16,12 +16,14 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
+from confkv.config import CachePolicy
 from confkv.scaleout.options import ScaleOut
 
 MODEL = "tiny-random"
@@ -31,19 +33,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Endpoint:
-    """The deployment's one HTTP endpoint, by the standard library (headers are what these tests read)."""
+    """The deployment's one HTTP endpoint, by the standard library (headers are what these tests read); ``prefix``:
+    the application's route prefix on Ray's proxy."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, prefix: str = "") -> None:
+        self.url = url + prefix
         u = urlsplit(url)
-        self.host, self.port = u.hostname, u.port
+        self.host, self.port, self.prefix = u.hostname, u.port, prefix
 
     def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                 timeout: float = 60.0) -> tuple[int, dict[str, str], Any]:  # fmt: skip
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+            headers = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, self.prefix + path, body=data, headers=headers)
             resp = conn.getresponse()
             text = resp.read().decode()
             hdrs = {k.lower(): v for k, v in resp.getheaders()}
@@ -185,6 +189,18 @@ def test_scaleout_flags_map_to_ray_serve_options():
                                           "target_ongoing_requests": 3}  # fmt: skip
 
 
+def test_write_through_is_on_under_replicas_unless_turned_off():
+    from confkv.cli import build_parser
+    from confkv.scaleout.options import replica_args
+
+    def given(*flags: str) -> dict[str, Any]:
+        return replica_args(build_parser().parse_args(["serve", "--model", MODEL, "--replicas", "2", *flags]))
+
+    assert given()["session_write_through"] is True
+    assert given("--no-session-write-through")["session_write_through"] is False
+    assert "replicas" not in given() and given()["model"] == MODEL  # the deployment's flags stay out of a replica's
+
+
 def _cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "confkv.cli", *args]
@@ -193,7 +209,11 @@ def _cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str
 
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--replicas", "0"], "replicas"), (["--replicas", "3", "--max-replicas", "2"], "outside")],
+    [
+        (["--replicas", "0"], "replicas"),
+        (["--replicas", "3", "--max-replicas", "2"], "outside"),
+        (["--replicas", "1", "--max-queued-requests", "0"], "--max-queued-requests"),
+    ],
 )
 def test_bad_scaleout_flags_are_one_line_errors(flags, message):
     out = _cli("serve", "--model", MODEL, *flags)
@@ -252,3 +272,113 @@ def test_replicas_metrics_merge_into_one_exposition():
     assert totals == {"r1": 2.0, "r2": 5.0}
     counts = [s for s in families["confkv:ttft_seconds"].samples if s.name.endswith("_count")]
     assert sorted(s.labels["replica"] for s in counts) == ["r1", "r2"]
+
+
+#: The second application's name and route prefix (``tight``).
+TIGHT = "confkv-tight"
+
+
+@pytest.fixture(scope="module")
+def tight(cluster, tmp_path_factory):
+    """A second application beside the first, on the same Ray Serve and session store, under ``/tight``: two
+    replicas that run one request each with one more queued (beyond: 429), follow a registry alias, keep their
+    sessions in memory only (``--no-session-write-through``), so that only their drain puts them in the store, and
+    autoscale between one and two (Ray scales down only after ten idle minutes: these tests keep both)."""
+    registry = pytest.importorskip("store.registry", reason="the policy registry (store/) is not installed")
+    from ray import serve
+
+    from confkv.cli import build_parser
+    from confkv.scaleout.app import build_application
+    from confkv.scaleout.hub import remove_hub
+    from confkv.scaleout.options import scaleout_from_args
+
+    ep, store = cluster
+    reg_url = f"sqlite:///{tmp_path_factory.mktemp('registry') / 'registry.db'}"
+    reg = registry.Registry(reg_url)
+    reg.register("tight", CachePolicy(controller="window", max_size=96))
+    reg.promote("tight", 1)
+    args = build_parser().parse_args(
+        ["serve", "--model", MODEL, "--policy", "registry://tight@production", "--registry-url", reg_url,
+         "--policy-poll-interval", "0.2", "--api-key", KEY, "--session-store", str(store), "--no-session-write-through",
+         "--replicas", "2", "--replica-cpus", "0.5", "--max-ongoing-requests", "1", "--max-queued-requests", "1",
+         "--retry-after-s", "3", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1",
+         "--shutdown-grace", "5"]
+    )  # fmt: skip
+    serve.run(build_application(args, scaleout_from_args(args), app_name=TIGHT), name=TIGHT, route_prefix="/tight")
+    yield Endpoint(ep.url, "/tight"), reg
+    serve.delete(TIGHT)  # a no-op where the drain test deleted it
+    remove_hub(TIGHT)
+
+
+def test_autoscaling_bounds_reach_ray_serve(tight):
+    from ray.serve.context import _get_global_client
+
+    deployment = _get_global_client().get_serve_details()["applications"][TIGHT]["deployments"]["ConfkvReplica"]
+    auto = deployment["deployment_config"]["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 2, 1)
+    assert deployment["target_num_replicas"] == 2  # --replicas: the initial count
+    config = deployment["deployment_config"]
+    assert (config["max_ongoing_requests"], config["max_queued_requests"]) == (1, 1)
+
+
+def test_requests_beyond_the_running_and_queued_limits_get_429_at_once(tight):
+    """Two replicas each running one request and one request queued: of eight slow streams sent at once, the rest
+    are refused with 429 and ``Retry-After`` at once, and none hangs."""
+    ep, _ = tight
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long answer please"}], "max_tokens": 160,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+
+    def one(_: int) -> tuple[int, dict[str, str], float]:
+        t0 = time.monotonic()
+        status, headers, _ = ep.request("POST", "/v1/chat/completions", body, AUTH, timeout=60)
+        return status, headers, time.monotonic() - t0
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    statuses = sorted(r[0] for r in results)
+    refused = [(headers, dt) for status, headers, dt in results if status == 429]
+    assert set(statuses) <= {200, 429} and refused and statuses.count(200) >= 2, statuses
+    assert all(h.get("retry-after") == "3" for h, _ in refused), refused
+    served = max(dt for status, _, dt in results if status == 200)
+    assert all(dt < served for _, dt in refused), results  # refused before the streams they waited behind ended
+
+
+def test_every_replica_follows_a_moved_registry_alias(tight):
+    ep, reg = tight
+    first = _replicas_seen(ep, "/v1/cache_policy", 2)
+    assert {(a["version"], a["policy"]["controller"]) for a in first.values()} == {("1", "window")}
+    reg.register("tight", CachePolicy(controller="full"))
+    reg.promote("tight", 2)
+    deadline = time.monotonic() + 30
+    while True:
+        answers = _replicas_seen(ep, "/v1/cache_policy", 2)
+        if all(a["version"] == "2" for a in answers.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert set(answers) == set(first)  # the same two replicas, each following the alias on its own
+    assert {(a["version"], a["policy"]["controller"]) for a in answers.values()} == {("2", "full")}
+
+
+def test_a_removed_replica_writes_its_sessions_to_the_store_first(cluster, tight):
+    """Without write-through a session lives in its replica's memory; deleting the application (what a scale-down
+    does to one replica) drains every replica, which writes the session to the shared store, and the other
+    application's replica resumes it from there."""
+    from ray import serve
+
+    main, store = cluster
+    ep, _ = tight
+    messages = [{"role": "user", "content": "Tell me about the mountains."}]
+    for follow_up in ("And who climbs them?", None):
+        status, _, body = ep.chat(messages, session="drain-1")
+        assert status == 200, body
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        if follow_up:
+            messages.append({"role": "user", "content": follow_up})
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the second turn reused the first's KV
+    assert not (store / "drain-1.record").exists()  # held in memory only
+    serve.delete(TIGHT)  # waits for the replicas to stop
+    assert (store / "drain-1.record").exists()
+    messages.append({"role": "user", "content": "Which is the highest?"})
+    status, _, body = main.chat(messages, session="drain-1")
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # resumed from the store, not recomputed

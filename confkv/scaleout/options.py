@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from confkv.errors import ConfkvError
 
@@ -36,6 +36,13 @@ class ScaleOut(BaseModel):
     target_ongoing_requests: float | None = Field(None, gt=0)
     ray_address: str | None = Field(None, description="an existing Ray cluster (default: start one here)")
     graceful_shutdown_s: float = Field(30.0, ge=0, description="how long a stopping replica drains")
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _a_queue_or_none(cls, v: int) -> int:
+        if v == 0:  # Ray Serve takes -1 (no limit) or a positive number; 0 would fail inside Ray at deploy time
+            raise ValueError("--max-queued-requests must be -1 (no limit) or at least 1")
+        return v
 
     @model_validator(mode="after")
     def _autoscaling_range(self) -> ScaleOut:
@@ -122,8 +129,9 @@ SCALEOUT_KEYS = frozenset(
 
 def replica_args(args: argparse.Namespace) -> dict[str, Any]:
     """What each replica builds its engine and app from: ``confkv serve``'s flags less the deployment's, with the
-    session store's write-through on (a dead replica's sessions resume on another) and port 0 (Ray's proxy holds
-    the port; a replica listens on none)."""
+    session store's write-through on unless ``--no-session-write-through`` (a dead replica's sessions resume on
+    another)."""
     out = {k: v for k, v in vars(args).items() if k not in SCALEOUT_KEYS and not callable(v)}
-    out["session_write_through"] = True
+    if out.get("session_write_through") is None:  # not --no-session-write-through
+        out["session_write_through"] = True
     return out

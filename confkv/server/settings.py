@@ -140,9 +140,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--session-write-through",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="also write each finished turn's session to the store, so another server on the same store resumes it "
-        "if this one dies (on with --replicas)",
+        "if this one dies (default: on with --replicas, off without; --no-session-write-through: only on eviction "
+        "and drain)",
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
