@@ -223,7 +223,7 @@ class CacheManager:
         k, v, score = self.pool.read_blocks(block_ids)
         demote = kv.controller.policy.demote_dtype
         if evicted and demote != "none":  # the budget left them out: still attended to, at low precision
-            self.demoted.put(kv.seq_id, victims, self.pool.dequant(k), self.pool.dequant(v), demote)
+            self.demoted.put(kv.seq_id, victims, self.pool.dequant_k(k), self.pool.dequant(v), demote)
             kv.stats.demoted_peak_bytes = max(kv.stats.demoted_peak_bytes, self.demoted.bytes_of(kv.seq_id))
         dropped = self.host.put(kv.seq_id, victims, k, v, score)
         for i in victims:
@@ -389,7 +389,7 @@ class CacheManager:
         if n <= 0:
             return []
         self.recall_queries += 1
-        keys = self.pool.dequant(self.host.keys_of(kv.seq_id, host_idx)).float()  # [L, n_host, bs, kvh, D]
+        keys = self.pool.dequant_k(self.host.keys_of(kv.seq_id, host_idx)).float()  # [L, n_host, bs, kvh, D]
         qh = q.to("cpu", torch.float32)
         logits = torch.einsum("lkgd,lnbkd->lkgnb", qh, keys) * self.scaling
         lse_host = torch.logsumexp(logits.flatten(-2), dim=-1)
@@ -448,7 +448,7 @@ class CacheManager:
         if resident:
             parts.append(view.keys().to("cpu", torch.float32))
         if host:
-            parts.append(self.pool.dequant(self.host.keys_of(kv.seq_id, host)).float())
+            parts.append(self.pool.dequant_k(self.host.keys_of(kv.seq_id, host)).float())
         keys = torch.cat(parts, dim=1)  # [L, n, bs, kvh, D]
         logits = torch.einsum("lkgd,lnbkd->lkgnb", q.to("cpu", torch.float32), keys) * self.scaling
         share = logits.flatten(-2).softmax(dim=-1).unflatten(-1, logits.shape[-2:]).sum(dim=-1)  # [L, kvh, g, n]
