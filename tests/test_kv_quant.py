@@ -142,18 +142,23 @@ def test_bad_dtype_names_are_refused() -> None:
         codec_for("int2")
 
 
-@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
-def test_cli_refuses_a_bad_kv_cache_dtype_in_one_line(command: str, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [("generate", "--kv-cache-dtype"), ("bench", "--kv-cache-dtype"), ("serve", "--kv-cache-dtype"),
+     ("generate", "--host-kv-dtype"), ("serve", "--host-kv-dtype")],
+)  # fmt: skip
+def test_cli_refuses_a_bad_kv_cache_dtype_in_one_line(command: str, flag: str, tmp_path) -> None:
     extra = {"generate": ["--prompt", "x"], "bench": ["--out", str(tmp_path / "b")], "serve": []}[command]
     proc = subprocess.run(
-        [sys.executable, "-m", "confkv.cli", command, "--model", "tiny-random", "--kv-cache-dtype", "e5m2", *extra],
+        [sys.executable, "-m", "confkv.cli", command, "--model", "tiny-random", flag, "e5m2", *extra],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "kv_cache_dtype" in lines[0] and "e5m2" in lines[0], proc.stderr
+    setting = flag.removeprefix("--").replace("-", "_")
+    assert len(lines) == 1 and setting in lines[0] and "e5m2" in lines[0], proc.stderr
 
 
 def test_fp8_decodes_every_byte_as_pytorch_converts_it() -> None:
