@@ -7,7 +7,8 @@ The quick suite's held-out prose, scored under ``full`` as ``benchmarks/kv_dtype
 rounding differs from ``auto``). Modes: ``token``: keys and values per token (the int4 codec's rows: what
 ``kv_cache_dtype: int4`` did before keys per channel); ``kivi``: values per token, keys per channel over each full
 block, an open block's keys left exact until it fills (KIVI's float tail); ``konly``: only the keys, as ``kivi``;
-``vonly``: only the values, per token. This is a measurement aid, not the engine's path: ``kv_cache_dtype: int4``
+``vonly``: only the values, per token; ``vg32``: only the values, per token in groups of 32 channels;
+``kivi_vg32``: ``kivi`` with values in groups of 32. This is a measurement aid, not the engine's path: ``kv_cache_dtype: int4``
 itself is measured by ``benchmarks/kv_dtypes.py``.
 """
 
@@ -32,6 +33,11 @@ def _per_token(x: torch.Tensor) -> torch.Tensor:
     return _INT4.decode(_INT4.encode(x), x.dtype)
 
 
+def _per_group(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """Per token, in groups of ``group`` channels (one grid each)."""
+    return _per_token(x.reshape(*x.shape[:-1], -1, group)).reshape(x.shape)
+
+
 def _per_channel(x: torch.Tensor) -> torch.Tensor:
     """Keys of one block ``[block_size, kv_heads, D]``: a grid per channel over the block's tokens."""
     lo = x.amin(0, keepdim=True).half().float()
@@ -43,10 +49,12 @@ def fake_store(mode: str):
     def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if mode in ("token", "kivi", "vonly"):
             v = _per_token(v)
+        if mode in ("vg32", "kivi_vg32"):
+            v = _per_group(v)
         if mode == "token":
             k = _per_token(k)
         _STORE(pool, layer, slots, k, v)
-        if mode in ("kivi", "konly"):  # blocks whose last slot was just written are full: quantise their keys
+        if mode in ("kivi", "konly", "kivi_vg32"):  # blocks whose last slot was just written are full: quantise their keys
             bs = pool.block_size
             for b in (slots[(slots % bs) == bs - 1] // bs).tolist():
                 rows = slice(b * bs, (b + 1) * bs)
