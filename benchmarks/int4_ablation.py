@@ -8,8 +8,8 @@ rounding differs from ``auto``). Modes: ``token``: keys and values per token (th
 ``kv_cache_dtype: int4`` did before keys per channel); ``kivi``: values per token, keys per channel over each full
 block, an open block's keys left exact until it fills (KIVI's float tail); ``konly``: only the keys, as ``kivi``;
 ``vonly``: only the values, per token; ``vg32``: only the values, per token in groups of 32 channels;
-``kivi_vg32``: ``kivi`` with values in groups of 32. This is a measurement aid, not the engine's path: ``kv_cache_dtype: int4``
-itself is measured by ``benchmarks/kv_dtypes.py``.
+``kivi_vg32``: ``kivi`` with values in groups of 32. This is a measurement aid, not the engine's path:
+``kv_cache_dtype: int4`` itself is measured by ``benchmarks/kv_dtypes.py``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def fake_store(mode: str):
         if mode == "token":
             k = _per_token(k)
         _STORE(pool, layer, slots, k, v)
-        if mode in ("kivi", "konly", "kivi_vg32"):  # blocks whose last slot was just written are full: quantise their keys
+        if mode in ("kivi", "konly", "kivi_vg32"):  # blocks whose last slot was just written: quantise their keys
             bs = pool.block_size
             for b in (slots[(slots % bs) == bs - 1] // bs).tolist():
                 rows = slice(b * bs, (b + 1) * bs)
