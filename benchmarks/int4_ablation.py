@@ -35,6 +35,7 @@ def _per_token(x: torch.Tensor) -> torch.Tensor:
 
 def _per_group(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """Per token, in groups of ``group`` channels (one grid each)."""
+    group = min(group, x.shape[-1])
     return _per_token(x.reshape(*x.shape[:-1], -1, group)).reshape(x.shape)
 
 
