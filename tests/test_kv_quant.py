@@ -145,7 +145,7 @@ def test_bad_dtype_names_are_refused() -> None:
 @pytest.mark.parametrize(
     ("command", "flag"),
     [("generate", "--kv-cache-dtype"), ("bench", "--kv-cache-dtype"), ("serve", "--kv-cache-dtype"),
-     ("generate", "--host-kv-dtype"), ("serve", "--host-kv-dtype")],
+     ("generate", "--host-kv-dtype")],
 )  # fmt: skip
 def test_cli_refuses_a_bad_kv_cache_dtype_in_one_line(command: str, flag: str, tmp_path) -> None:
     extra = {"generate": ["--prompt", "x"], "bench": ["--out", str(tmp_path / "b")], "serve": []}[command]
