@@ -10,8 +10,9 @@ resident tokens with one index tensor. Keys are stored after RoPE.
 With a quantised ``kv_cache_dtype`` each ``[slot, kv_head]`` row holds the codec's bytes (data and the row's own
 scale, ``confkv/kv/quant.py``; int4 keys: data and a share of the block's per-channel grid) instead of ``head_dim``
 floats, so the same bytes buy more slots. ``store`` quantises
-as tokens are written; ``dequant`` is what attention and the scorers read through. Blocks leave the pool (to the host
-tier, to a session record) as those bytes, so the lower tiers hold the compact form too.
+as tokens are written; ``dequant_k`` (whole blocks), ``keys_at`` and ``dequant`` (values) are what attention and the
+scorers read through. Blocks leave the pool (to the host tier, to a session record) as those bytes, so the lower
+tiers hold the compact form too (or, with ``host_kv_dtype``, a more compact one the cache manager converts to).
 """
 
 from __future__ import annotations
