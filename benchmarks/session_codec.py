@@ -6,7 +6,7 @@
 The repository's README (repeated if short) is tokenised and run through the model once with Hugging Face's cache;
 its keys (after RoPE, as the engine's pool stores them) and values are cut into blocks of ``--block-size`` and
 encoded as a ``SessionRecord`` in each KV dtype (float32 as computed; bfloat16 and float16 cast from it; and the
-packed rows a pool of ``kv_cache_dtype`` int8, fp8 or int4 holds, records ``kv-int8``, ``kv-fp8``, ``kv-int4``) at zstd
+packed rows a pool of ``kv_cache_dtype`` int8, fp8 or int4 holds, records ``kv-int8``, ``kv-fp8``, ``kv-int4c``) at zstd
 levels 1, 3 and 9. Scores are uniform random float32 (attention sums have random-looking mantissas too; 4 bytes a
 token either way). Reported per dtype and level: ratio = safetensors bytes / zstd payload bytes, the record's size
 over the raw K+V bytes, its bytes, and encode/decode time.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from common import load, parser, report, setup
 
-from confkv.kv.quant import codec_for
+from confkv.kv.quant import KVFormat
 from confkv.sessions import BlockKV, SessionRecord, decode, encode, model_fingerprint, read_header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +50,21 @@ def main() -> None:
     result: dict = {**env, "tokens": n_blocks * bs, "block_size": bs, "kv_shape": list(k.shape)}
     gen = torch.Generator().manual_seed(0)
     scores = torch.rand(n_blocks, bs, generator=gen)
+    k, v = k[:, : n_blocks * bs], v[:, : n_blocks * bs]
     forms = {
         str(d).removeprefix("torch."): (lambda x, d=d: x.to(d)) for d in (torch.float32, torch.bfloat16, torch.float16)
     }
-    for kv_dtype in ("int8", "fp8", "int4"):
-        forms[f"kv-{kv_dtype}"] = codec_for(kv_dtype).encode  # the rows a quantised pool holds
+    packed: dict[str, KVFormat] = {}
+    for kv_dtype in ("int8", "fp8", "int4"):  # the rows a quantised pool holds (int4 keys: per channel of a block)
+        fmt = KVFormat(kv_dtype, k.shape[-1], bs, torch.float32)
+        packed[fmt.record_dtype] = fmt
+        forms[fmt.record_dtype] = fmt.encode_v
     for record_dtype, form in forms.items():
-        kq, vq = form(k), form(v)
+        if record_dtype in packed:
+            by_block = k.reshape(k.shape[0], n_blocks, bs, *k.shape[2:])
+            kq, vq = packed[record_dtype].encode_k(by_block).flatten(1, 2), form(v)
+        else:
+            kq, vq = form(k), form(v)
         blocks = {
             i: BlockKV(k=kq[:, i * bs : (i + 1) * bs], v=vq[:, i * bs : (i + 1) * bs], score=scores[i])
             for i in range(n_blocks)

@@ -3,6 +3,7 @@ storage (a local folder, an S3 server) against recomputing the whole conversatio
 
     python benchmarks/session_ttft.py --model smollm2-135m --repeats 3 --out session_ttft.json
     python benchmarks/session_ttft.py --model tiny-random --doc-tokens 1800 --repeats 1     # a quick check
+    python benchmarks/session_ttft.py --kv-cache-dtype int8 --stores local,s3 --repeats 2   # kv-int8 records
 
 For each store the script starts ``confkv serve`` (``--policy full`` by default, so both paths must give the same
 text) on loopback with ``--session-idle-s 0 --session-offload-s 0``: a finished turn's session leaves the device at
@@ -68,6 +69,9 @@ def start_server(args: argparse.Namespace, store: str, env: dict[str, str]) -> S
         flags += ["--session-idle-s", "0", "--session-offload-s", "0"]
     if args.device:
         flags += ["--device", args.device]
+    flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.host_kv_dtype:
+        flags += ["--host-kv-dtype", args.host_kv_dtype]
     if args.cache_dir:
         flags += ["--cache-dir", args.cache_dir]
     drops = dict.fromkeys(_MOTO_DROPS) if env else {}  # moto: no real profile
@@ -348,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (greedy)")
     p.add_argument("--repeats", type=int, default=3, help="sessions per store (a new passage each)")
     p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the server's pool (int8: records are kv-int8)")
+    p.add_argument("--host-kv-dtype", default=None, help="the server's host tier and records, if not the pool's")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--device", default=None)
     p.add_argument("--cache-dir", default=None)
@@ -374,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "model": args.model,
         "policy": args.policy,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "host_kv_dtype": args.host_kv_dtype,
         "doc_tokens": args.doc_tokens,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,

@@ -32,11 +32,12 @@ def _read_text(path: str, what: str) -> str:
         raise ConfkvError(f"{what} file {path} is not UTF-8 text") from None
 
 
-def check_kv_cache_dtype(name: str) -> None:
-    """Refuse a bad ``--kv-cache-dtype`` with the engine setting's one-line error before any model loads."""
+def check_kv_cache_dtype(name: str, host: str | None = None) -> None:
+    """Refuse a bad ``--kv-cache-dtype`` or ``--host-kv-dtype`` with the engine setting's one-line error before any
+    model loads."""
     from confkv.config import make_engine_config
 
-    make_engine_config({"kv_cache_dtype": name})
+    make_engine_config({"kv_cache_dtype": name, "host_kv_dtype": host})
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -53,6 +54,7 @@ def _make_llm(args: argparse.Namespace, max_batch_size: int = 1):
         policy_file=args.policy_file,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
+        host_kv_dtype=args.host_kv_dtype,
         max_batch_size=max_batch_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
@@ -157,7 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from confkv.bench.suite import run_suite
     from confkv.progress import bars
 
-    check_kv_cache_dtype(args.kv_cache_dtype)  # before the model loads
+    check_kv_cache_dtype(args.kv_cache_dtype, args.host_kv_dtype)  # before the model loads
     if args.suite == "throughput":
         return _bench_throughput(args)
     if args.suite == "longgen":
@@ -183,6 +185,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
+        host_kv_dtype=args.host_kv_dtype,
         seed=args.seed,
         split=args.split,
         progress=bars(),
@@ -219,7 +222,8 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         args.model, policies, policy_files=args.policy_file, scenarios=scenarios, changes=changes, ceiling=args.ceiling,
         hf=not args.no_hf,
         device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed, admissions=admissions,
-        kv_cache_dtype=args.kv_cache_dtype, log=lambda line: print(line, file=sys.stderr),
+        kv_cache_dtype=args.kv_cache_dtype, host_kv_dtype=args.host_kv_dtype,
+        log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
     paths = write_throughput_report(results, args.out)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
@@ -265,7 +269,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from confkv.bench.calibrate import calibrate
     from confkv.calibration import calibration_path
 
-    check_kv_cache_dtype(args.kv_cache_dtype)
+    check_kv_cache_dtype(args.kv_cache_dtype, args.host_kv_dtype)
     out = args.out or calibration_path(args.model, args.cache_dir)
     if out is None:
         raise ConfkvError("calibration is off (CONFKV_CALIBRATION); name a file with --out")
@@ -276,6 +280,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         args.model, text=text, tokens=args.tokens, entropy_quantile=args.entropy_quantile,
         gap_quantile=args.gap_quantile, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
         kv_cache_memory=args.kv_cache_memory, source=args.text_file, kv_cache_dtype=args.kv_cache_dtype,
+        host_kv_dtype=args.host_kv_dtype,
     )  # fmt: skip
     path = result.write(out)
     policy, meta = result.policy(), result.metadata()

@@ -27,6 +27,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "token and KV head (default: auto)",
     )
     p.add_argument(
+        "--host-kv-dtype",
+        default=None,
+        help="how the host tier and session records store K and V, when more compact than the pool: auto, int8, "
+        "fp8 or int4 (default: as --kv-cache-dtype)",
+    )
+    p.add_argument(
         "--cache-dir", default=None, help="converted-model cache (default: $CONFKV_CACHE or ~/.cache/confkv)"
     )
 

@@ -321,6 +321,11 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: KVCacheDtype = Field(
         "auto", description="how the KV pool stores K and V: the model's dtype, or int8, fp8 (e4m3), int4"
     )
+    host_kv_dtype: KVCacheDtype | None = Field(
+        None,
+        description="how the host tier and session records store K and V, when more compact than the pool (e.g. a "
+        "pool at auto, the lower tiers at int8); default the pool's kv_cache_dtype",
+    )
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the pool if unset")
     max_batch_size: int = Field(32, ge=1, description="most sequences decoded together")
     max_num_batched_tokens: int = Field(512, ge=16, description="tokens per step (prefill chunks + decodes)")

@@ -29,7 +29,8 @@ class LLM:
     file with a ``cache_policy:`` mapping; any other keyword that names a policy key (``max_size=2048``) overrides
     it. ``kv_cache_memory`` sizes the device pool in bytes (``"1GiB"``); unset, a quarter of free memory.
     ``kv_cache_dtype`` is how the pool stores K and V: ``"auto"`` (the model's dtype), ``"int8"``, ``"fp8"`` or
-    ``"int4"`` (quantised per token and KV head as they are written; the same bytes hold 2-7x the tokens).
+    ``"int4"`` (quantised as they are written; the same bytes hold 4-6x the tokens); ``host_kv_dtype`` (default: the
+    same) how the host tier and session records store them, when more compact than the pool.
 
     ``policy_file`` may be a registry reference (``"registry://NAME@production"``, see ``store.refs``): the
     version the alias points at is loaded, and unless ``policy_watch_interval_s`` is None a ``PolicyFollower``
@@ -45,6 +46,7 @@ class LLM:
         policy_file: str | Path | None = None,
         kv_cache_memory: int | str | None = None,
         kv_cache_dtype: str = "auto",
+        host_kv_dtype: str | None = None,
         max_batch_size: int = 32,
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
@@ -71,6 +73,7 @@ class LLM:
                 "dtype": dtype,
                 "kv_cache_memory": kv_cache_memory,
                 "kv_cache_dtype": kv_cache_dtype,
+                "host_kv_dtype": host_kv_dtype,
                 "max_batch_size": max_batch_size,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "max_model_len": max_model_len,

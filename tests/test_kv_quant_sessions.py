@@ -1,12 +1,14 @@
 """Quantised KV on the lower tiers: evicted blocks and session records keep the pool's packed rows, a session written
 under int8 resumes exactly under int8 (the turns it gives are the ones it gives when kept on the device), and it is
-foreign to an engine of another KV dtype (recomputed there, as a record of another model is)."""
+foreign to an engine of another KV dtype (recomputed there, as a record of another model is). With ``host_kv_dtype``
+the lower tiers hold a more compact form than the pool, and the record's dtype names that form."""
 
 from __future__ import annotations
 
 import pytest
 
 from confkv import LLM
+from confkv.errors import ConfkvError
 from confkv.sessions.store import SessionStore
 from confkv.sessions.tiers import SessionOptions
 
@@ -54,7 +56,7 @@ def test_an_int8_session_resumes_exactly_under_int8_and_is_foreign_under_auto(on
     record = store.get("s", expect={"dtype": "kv-int8"})
     assert record.dtype == "kv-int8" and record.blocks
     block = next(iter(record.blocks.values()))
-    assert block.k.dtype.itemsize == 1 and block.k.shape[-1] == first.engine.pool.row
+    assert block.k.dtype.itemsize == 1 and block.k.shape[-1] == first.engine.pool.k_row
     # the same conversation in a float32 pool: its record's K and V take more than 3x the bytes
     float_llm = _llm("auto", sessions=SessionOptions(store_url=str(tmp_path / "float")))
     _chat(float_llm, "f")
@@ -74,3 +76,51 @@ def test_an_int8_session_resumes_exactly_under_int8_and_is_foreign_under_auto(on
     (out,) = int4.chat([messages], PARAMS, session_id="s")
     assert out.cached_tokens == 0 and int4.engine.stats()["session_faults"]["foreign"] == 1
     int4.close()
+
+
+def test_host_kv_dtype_keeps_the_lower_tiers_more_compact_than_the_pool(tmp_path):
+    """A float32 pool with the host tier and records at int8: a session resumes from the host tier and from the
+    store alike, its record is ``kv-int8``, and engines whose lower tiers hold another form refuse it as foreign."""
+    url = str(tmp_path / "sessions")
+
+    def to_host(llm, i):
+        llm.engine.sessions.reclaim(10**6)
+
+    def to_store(llm, i):
+        assert llm.engine.flush_sessions() == 1
+        llm.engine.sessions.parked.clear()
+
+    host_llm = _llm("auto", host_kv_dtype="int8")
+    via_host = [o.token_ids for o in _chat(host_llm, "h", between=to_host)]
+    host_llm.engine.sessions.reclaim(10**6)
+    host, pool = host_llm.engine.host, host_llm.engine.pool
+    int8_block = pool.bytes_per_block_for(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
+                                          pool.compute_dtype, "int8")  # fmt: skip
+    assert len(host) > 0 and host.used_bytes == len(host) * int8_block < len(host) * pool.bytes_per_block
+
+    first = _llm("auto", host_kv_dtype="int8", sessions=SessionOptions(store_url=url))
+    outs = _chat(first, "s", between=to_store)
+    assert [o.token_ids for o in outs] == via_host  # the history crossed int8 once either way
+    assert all(o.cached_tokens > 0 for o in outs[1:]) and first.engine.stats()["session_hits"]["store"] == 2
+    assert first.engine.flush_sessions() == 1
+    first.close()
+    record = SessionStore(url).get("s", expect={"dtype": "kv-int8"})
+    assert record.dtype == "kv-int8" and next(iter(record.blocks.values())).k.dtype.itemsize == 1
+
+    messages = [{"role": "user", "content": TURNS[0]}]
+    for kv_dtype, host_dtype in (("auto", None), ("auto", "int4")):
+        other = _llm(kv_dtype, host_kv_dtype=host_dtype, sessions=SessionOptions(store_url=url))
+        (out,) = other.chat([messages], PARAMS, session_id="s")
+        assert out.cached_tokens == 0 and other.engine.stats()["session_faults"]["foreign"] == 1, host_dtype
+        other.close()
+    # the record names its rows, not the settings: a pool at int8 holds the same rows and resumes it
+    same_rows = _llm("int8", sessions=SessionOptions(store_url=url))
+    (out,) = same_rows.chat([messages], PARAMS, session_id="s")
+    assert out.cached_tokens > 0 and same_rows.engine.stats()["session_hits"]["store"] == 1
+    same_rows.close()
+
+
+def test_a_bad_host_kv_dtype_is_a_one_line_error():
+    with pytest.raises(ConfkvError, match="host_kv_dtype") as err:
+        _llm("auto", host_kv_dtype="int3")
+    assert "\n" not in str(err.value)

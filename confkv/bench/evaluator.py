@@ -84,6 +84,7 @@ class Evaluator:
         cache_dir: str | None = None,
         kv_cache_memory: int | str | None = None,
         kv_cache_dtype: str = "auto",
+        host_kv_dtype: str | None = None,
         loaded: LoadedModel | None = None,
         reference_root: str | Path | None = None,
         progress: bool = False,
@@ -103,7 +104,8 @@ class Evaluator:
             if name == "prose":
                 triples = [(p, 0, max(1, s or 1)) for p, _, s in triples]
             refs[name] = build_references(full, triples, store, use_tqdm=progress, label=f"references: {name}")
-        return cls(loaded, model, spec, wl, refs, {**engine, "kv_cache_dtype": kv_cache_dtype}, progress)
+        measured = {**engine, "kv_cache_dtype": kv_cache_dtype, "host_kv_dtype": host_kv_dtype}
+        return cls(loaded, model, spec, wl, refs, measured, progress)
 
     def llm(self, policy: CachePolicy, **engine: Any) -> LLM:
         return LLM(self.model, policy, loaded=self.loaded, **{**self.engine, **engine})

@@ -297,6 +297,7 @@ def run_throughput(
     cache_dir: str | None = None,
     seed: int = 0,
     kv_cache_dtype: str = "auto",
+    host_kv_dtype: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Every scenario (``SCENARIOS``) for every policy under every admission mode; ``spec`` and
@@ -324,7 +325,12 @@ def run_throughput(
         "suite": "throughput",
         "commit": git_commit(),
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "settings": {**first["settings"], "admissions": list(admissions), "kv_cache_dtype": kv_cache_dtype},
+        "settings": {
+            **first["settings"],
+            "admissions": list(admissions),
+            "kv_cache_dtype": kv_cache_dtype,
+            "host_kv_dtype": host_kv_dtype,
+        },
         "policy_settings": {name: p.model_dump(mode="json") for name, p, _, _ in first["rows"]},
     }
     traces: dict[str, dict[str, list]] = {}
@@ -340,7 +346,8 @@ def run_throughput(
                 t0 = time.perf_counter()
                 llm = LLM(model, policy, loaded=loaded, kv_cache_memory=factor * pool_bytes,
                           max_batch_size=sp.max_batch_size, max_num_batched_tokens=sp.max_num_batched_tokens,
-                          seed=seed, admission=mode, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+                          seed=seed, admission=mode, kv_cache_dtype=kv_cache_dtype,
+                          host_kv_dtype=host_kv_dtype)  # fmt: skip
                 progress.set_note(f"{scenario} {name}")
                 results[name] = run_engine_stream(llm, requests)
                 progress.update(1)

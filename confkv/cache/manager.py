@@ -36,6 +36,7 @@ from confkv.kv.block_table import DROPPED, ON_HOST, BlockTable
 from confkv.kv.demoted import DemotedTier
 from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
+from confkv.kv.quant import KVFormat
 from confkv.scorers import BlockView
 
 
@@ -59,6 +60,11 @@ class CacheManager:
     @property
     def block_size(self) -> int:
         return self.pool.block_size
+
+    @property
+    def host_fmt(self) -> KVFormat:
+        """How the host tier (and so session records) stores blocks: ``host_kv_dtype``'s format or the pool's."""
+        return self.host.fmt or self.pool.fmt
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def open(self, seq_id: int, controller: Controller, budget: float) -> SequenceKV:
@@ -223,8 +229,9 @@ class CacheManager:
         k, v, score = self.pool.read_blocks(block_ids)
         demote = kv.controller.policy.demote_dtype
         if evicted and demote != "none":  # the budget left them out: still attended to, at low precision
-            self.demoted.put(kv.seq_id, victims, self.pool.dequant(k), self.pool.dequant(v), demote)
+            self.demoted.put(kv.seq_id, victims, self.pool.dequant_k(k), self.pool.dequant(v), demote)
             kv.stats.demoted_peak_bytes = max(kv.stats.demoted_peak_bytes, self.demoted.bytes_of(kv.seq_id))
+        k, v = self.pool.fmt.convert_to(self.host_fmt, k, v)
         dropped = self.host.put(kv.seq_id, victims, k, v, score)
         for i in victims:
             table.entries[i] = ON_HOST
@@ -242,6 +249,7 @@ class CacheManager:
         self, kv: SequenceKV, indices: list[int], k: torch.Tensor, v: torch.Tensor, score: torch.Tensor
     ) -> None:
         """Write blocks taken from the host tier (logical ``indices``, in order) into newly allocated device blocks."""
+        k, v = self.host_fmt.convert_to(self.pool.fmt, k, v)
         ids = self.pool.allocate(len(indices), zero=False)  # every slot is written next
         self.pool.write_blocks(ids, k, v, score)
         self.demoted.drop(kv.seq_id, indices)  # back at the pool's precision
@@ -389,7 +397,7 @@ class CacheManager:
         if n <= 0:
             return []
         self.recall_queries += 1
-        keys = self.pool.dequant(self.host.keys_of(kv.seq_id, host_idx)).float()  # [L, n_host, bs, kvh, D]
+        keys = self.host_fmt.decode_k(self.host.keys_of(kv.seq_id, host_idx), torch.float32)  # [L, n_host, bs, kvh, D]
         qh = q.to("cpu", torch.float32)
         logits = torch.einsum("lkgd,lnbkd->lkgnb", qh, keys) * self.scaling
         lse_host = torch.logsumexp(logits.flatten(-2), dim=-1)
@@ -448,7 +456,7 @@ class CacheManager:
         if resident:
             parts.append(view.keys().to("cpu", torch.float32))
         if host:
-            parts.append(self.pool.dequant(self.host.keys_of(kv.seq_id, host)).float())
+            parts.append(self.host_fmt.decode_k(self.host.keys_of(kv.seq_id, host), torch.float32))
         keys = torch.cat(parts, dim=1)  # [L, n, bs, kvh, D]
         logits = torch.einsum("lkgd,lnbkd->lkgnb", q.to("cpu", torch.float32), keys) * self.scaling
         share = logits.flatten(-2).softmax(dim=-1).unflatten(-1, logits.shape[-2:]).sum(dim=-1)  # [L, kvh, g, n]

@@ -46,6 +46,7 @@ from confkv.errors import ConfkvError
 from confkv.kv import attention
 from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
+from confkv.kv.quant import KVFormat
 from confkv.model_loader import LoadedModel, load_model, resolve_device
 from confkv.sessions.record import model_fingerprint
 from confkv.sessions.state import SessionOptions
@@ -121,7 +122,13 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,
         )
         scaling = attention.probe(self.model, self.pool, self.model.config.vocab_size)
-        self.host = HostTier(policy.host_cache_memory, pin_memory=self.device.type == "cuda")
+        host_fmt = None
+        if config.host_kv_dtype not in (None, config.kv_cache_dtype):  # the lower tiers in a form of their own
+            try:
+                host_fmt = KVFormat(config.host_kv_dtype, head_dim, policy.block_size, dtype)
+            except ValueError as err:
+                raise ConfkvError(f"host_kv_dtype: {err}") from None
+        self.host = HostTier(policy.host_cache_memory, pin_memory=self.device.type == "cuda", fmt=host_fmt)
         self.policies = PolicySwitch(policy, policy_info)
         self.manager = CacheManager(self.pool, self.host, scaling)
         self.scheduler = Scheduler(

@@ -129,10 +129,11 @@ def _decode_attention(
         keys = pool.k[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
         values = pool.v[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
     else:  # the same block copies of the stored rows, then one dequantisation of what was gathered
-        by_block = (pool.num_blocks, bs * pool.num_kv_heads * pool.row)
-        rows = (n, -1, pool.num_kv_heads, pool.row)
-        keys = pool.dequant(pool.k[layer].view(by_block).index_select(0, flat).view(rows)).transpose(1, 2)
-        values = pool.dequant(pool.v[layer].view(by_block).index_select(0, flat).view(rows)).transpose(1, 2)
+        kvh, k_row, v_row = pool.num_kv_heads, pool.k_row, pool.v_row
+        k_rows = pool.k[layer].view(pool.num_blocks, -1).index_select(0, flat).view(n, -1, bs, kvh, k_row)
+        v_rows = pool.v[layer].view(pool.num_blocks, -1).index_select(0, flat).view(n, -1, kvh, v_row)
+        keys = pool.dequant_k(k_rows).view(unpacked).transpose(1, 2)
+        values = pool.dequant(v_rows).transpose(1, 2)
     valid, key_pos, pool_keys = batch.decode_valid, batch.decode_pos, keys.shape[2]
     if batch.decode_demoted:
         keys, values = _with_demoted(batch, layer, keys, values)
@@ -207,7 +208,7 @@ def _prefill_attention(
     if span.fresh:
         keys, values, key_slots, key_pos = k, v, span.key_slots, span.q_pos
     else:
-        keys = pool.dequant(pool.k[layer][span.key_slots]).transpose(0, 1)  # [kvh, L, D]
+        keys = pool.keys_at(layer, span.key_slots).transpose(0, 1)  # [kvh, L, D]
         values = pool.dequant(pool.v[layer][span.key_slots]).transpose(0, 1)
         key_slots, key_pos = span.key_slots, span.key_pos
         if span.demoted is not None:

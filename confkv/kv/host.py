@@ -1,5 +1,8 @@
 """The host tier: blocks evicted from the device, kept in host memory so that they can be recalled.
 
+Blocks are kept as the pool stores them, or, with ``host_kv_dtype``, in a more compact ``KVFormat`` of their own
+(the cache manager converts them on the way down and back up).
+
 Bounded by ``host_cache_memory``; past the bound the least recently moved block is dropped for good (its sequence
 can no longer recall it). Recall *moves* a block back, so a token lives in exactly one tier at a time.
 """
@@ -10,6 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from confkv.kv.quant import KVFormat
 
 BlockKey = tuple[int, int]  # (sequence id, logical block index)
 
@@ -28,7 +33,9 @@ class HostBlock:
 class HostTier:
     """An LRU of evicted blocks with byte accounting, indexed by sequence for recall."""
 
-    def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, pin_memory: bool = False, fmt: KVFormat | None = None) -> None:
+        """``fmt``: how blocks are stored here (``host_kv_dtype``) where that is not the pool's form (``None``)."""
+        self.fmt = fmt
         self.capacity_bytes = int(capacity_bytes)
         self.pin_memory = pin_memory
         self._lru: OrderedDict[BlockKey, HostBlock] = OrderedDict()

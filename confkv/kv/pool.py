@@ -8,9 +8,11 @@ Layout: per layer, keys and values live in ``[num_blocks * block_size, kv_heads,
 resident tokens with one index tensor. Keys are stored after RoPE.
 
 With a quantised ``kv_cache_dtype`` each ``[slot, kv_head]`` row holds the codec's bytes (data and the row's own
-scale, ``confkv/kv/quant.py``) instead of ``head_dim`` floats, so the same bytes buy more slots. ``store`` quantises
-as tokens are written; ``dequant`` is what attention and the scorers read through. Blocks leave the pool (to the host
-tier, to a session record) as those bytes, so the lower tiers hold the compact form too.
+scale, ``confkv/kv/quant.py``; int4 keys: data and a share of the block's per-channel grid) instead of ``head_dim``
+floats, so the same bytes buy more slots. ``store`` quantises
+as tokens are written; ``dequant_k`` (whole blocks), ``keys_at`` and ``dequant`` (values) are what attention and the
+scorers read through. Blocks leave the pool (to the host tier, to a session record) as those bytes, so the lower
+tiers hold the compact form too (or, with ``host_kv_dtype``, a more compact one the cache manager converts to).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from confkv.errors import ConfkvError
-from confkv.kv.quant import KVCodec, codec_for
+from confkv.kv.quant import ChannelKeyCodec, KVCodec, KVFormat
 
 
 class BlockPool:
@@ -49,22 +51,29 @@ class BlockPool:
         #: The dtype attention computes in and ``dequant`` returns.
         self.compute_dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
-        self.codec: KVCodec | None = codec_for(kv_cache_dtype)
-        if self.codec is not None and (head_dim * self.codec.bits) % 8:
-            raise ConfkvError(f"kv_cache_dtype {kv_cache_dtype}: head_dim {head_dim} does not pack into whole bytes")
+        try:
+            #: How K and V are stored (``confkv/kv/quant.py``); int4 keys are per channel within a block.
+            self.fmt = KVFormat(kv_cache_dtype, head_dim, block_size, dtype)
+        except ValueError as err:
+            raise ConfkvError(str(err)) from None
+        #: The per-token codec of values (and of keys, but for int4's per-channel keys); ``None`` at ``auto``.
+        self.codec: KVCodec | None = self.fmt.v_codec
         #: The dtype of ``k`` and ``v`` themselves: bytes for a quantised pool.
-        self.dtype = dtype if self.codec is None else torch.uint8
-        #: Last dimension of ``k``/``v``: ``head_dim`` values, or a quantised row's bytes.
-        self.row = head_dim if self.codec is None else self.codec.row_bytes(head_dim)
+        self.dtype = self.fmt.storage_dtype
+        #: Last dimension of ``k`` and ``v``: ``head_dim`` values, or a quantised row's bytes (keys' and values' rows
+        #: differ in width at int4).
+        self.k_row, self.v_row = self.fmt.k_row, self.fmt.v_row
+        #: Float copies of the keys of open blocks (written in part) under per-channel keys, with the rows filled:
+        #: each write re-encodes the block's channel grid from these exact values (no error compounds as it fills).
+        self._open: dict[int, tuple[torch.Tensor, int]] = {}
         self.device = torch.device(device)
         slots = num_blocks * block_size
         # torch.empty: pages are committed as blocks are first handed out. ``allocate`` zeroes every block it hands
         # out, because decode attention reads whole blocks, masked tails included (0 x NaN is NaN), and both
         # uninitialised memory and a block freed by a request that failed on non-finite values may hold NaN.
-        shape = (num_layers, slots, num_kv_heads, self.row)
         try:
-            self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.v = torch.empty_like(self.k)
+            self.k = torch.empty((num_layers, slots, num_kv_heads, self.k_row), dtype=self.dtype, device=self.device)
+            self.v = torch.empty((num_layers, slots, num_kv_heads, self.v_row), dtype=self.dtype, device=self.device)
         except RuntimeError as err:  # torch.OutOfMemoryError included
             raise ConfkvError(
                 f"cannot allocate a KV pool of {self.total_bytes / 2**30:.1f} GiB on {self.device} "
@@ -92,9 +101,11 @@ class BlockPool:
         kv_cache_dtype: str = "auto",
     ) -> int:
         """K and V bytes of one block: ``dtype`` is the model's, ``kv_cache_dtype`` how the pool stores them."""
-        codec = codec_for(kv_cache_dtype)
-        row = head_dim * torch.empty((), dtype=dtype).element_size() if codec is None else codec.row_bytes(head_dim)
-        return 2 * num_layers * block_size * num_kv_heads * row
+        try:
+            fmt = KVFormat(kv_cache_dtype, head_dim, block_size, dtype)
+        except ValueError as err:
+            raise ConfkvError(str(err)) from None
+        return block_size * fmt.bytes_per_token(num_layers, num_kv_heads)
 
     @property
     def bytes_per_block(self) -> int:
@@ -129,8 +140,8 @@ class BlockPool:
     @property
     def kv_format(self) -> str:
         """What a block's stored rows are, as session records name it: the model's dtype as torch spells it
-        (``"float32"``) or ``"kv-int8"``, ``"kv-fp8"``, ``"kv-int4"``; rows of one format mean nothing in another."""
-        return str(self.dtype).removeprefix("torch.") if self.codec is None else f"kv-{self.kv_cache_dtype}"
+        (``"float32"``) or ``"kv-int8"``, ``"kv-fp8"``, ``"kv-int4c"``; rows of one format mean nothing in another."""
+        return self.fmt.record_dtype
 
     @property
     def num_tokens(self) -> int:
@@ -139,23 +150,72 @@ class BlockPool:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new keys and values ``[tokens, kv_heads, head_dim]`` into their slots, quantised if the pool is."""
-        if self.codec is None:
-            self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-            self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+        self.v[layer].index_copy_(0, slots, self.fmt.encode_v(v))
+        if isinstance(self.fmt.k_codec, ChannelKeyCodec):
+            self._store_channel_keys(layer, slots, k)
         else:
-            self.k[layer].index_copy_(0, slots, self.codec.encode(k))
-            self.v[layer].index_copy_(0, slots, self.codec.encode(v))
+            self.k[layer].index_copy_(0, slots, self.fmt.encode_k(k))
+
+    def _store_channel_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Per-channel keys: every block a write touches is re-encoded whole, its channel grid taken over its filled
+        rows. A block still open afterwards keeps a float copy of its keys (``_open``) so that the next write
+        re-encodes from exact values; a block written whole (a prefill chunk's) needs none. A block that left the
+        device open and came back (recall, session resume) restarts its copy from its decoded rows: only then does
+        the grid of a block's earlier tokens change by their own rounding."""
+        bs, kvh, d = self.block_size, self.num_kv_heads, self.head_dim
+        blocks, where = torch.unique(slots // bs, return_inverse=True)
+        ids = blocks.tolist()
+        by_block = self.k[layer].view(self.num_blocks, bs, kvh, self.k_row)
+        values = self.fmt.decode_k(by_block[blocks], torch.float32)  # [nb, bs, kvh, D]
+        for j, b in enumerate(ids):
+            if b in self._open:
+                values[j] = self._open[b][0][layer]
+        values.view(-1, kvh, d)[where * bs + slots % bs] = k.float()
+        last = torch.zeros(len(ids), dtype=torch.long, device=slots.device).scatter_reduce_(
+            0, where, slots % bs + 1, reduce="amax"
+        )
+        filled = [max(n, self._open[b][1]) if b in self._open else n for b, n in zip(ids, last.tolist(), strict=True)]
+        by_block[blocks] = self.fmt.k_codec.encode(values, torch.tensor(filled, device=slots.device))
+        final = layer == self.num_layers - 1
+        for j, (b, n) in enumerate(zip(ids, filled, strict=True)):
+            if n < bs or (b in self._open and not final):
+                if b not in self._open:  # every layer's current keys, so later layers re-encode from them too
+                    rows = self.k[:, b * bs : (b + 1) * bs]
+                    self._open[b] = (self.fmt.decode_k(rows, torch.float32), n)
+                copy = self._open[b][0]
+                copy[layer] = values[j]
+                self._open[b] = (copy, n)
+            elif b in self._open:  # full, and every layer has written it: the rows are final
+                del self._open[b]
+
+    def dequant_k(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored key rows of whole blocks ``[..., block_size, kv_heads, row]`` (from the pool, the host tier or a
+        session record) as keys ``[..., block_size, kv_heads, head_dim]`` in the compute dtype."""
+        return self.fmt.decode_k(rows)
 
     def dequant(self, rows: torch.Tensor) -> torch.Tensor:
-        """Stored rows ``[..., row]`` (from the pool, the host tier or a session record) as ``[..., head_dim]``
-        values in the compute dtype; the rows themselves for an ``auto`` pool."""
-        return rows if self.codec is None else self.codec.decode(rows, self.compute_dtype)
+        """Stored value rows ``[..., row]`` as ``[..., head_dim]`` values in the compute dtype; the rows themselves
+        for an ``auto`` pool."""
+        return self.fmt.decode_v(rows)
+
+    def keys_at(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Keys ``[len(slots), kv_heads, head_dim]`` of some slots of one layer, in the compute dtype (per-channel
+        keys are decoded by whole blocks)."""
+        if not isinstance(self.fmt.k_codec, ChannelKeyCodec):
+            return self.fmt.decode_k(self.k[layer][slots])
+        bs = self.block_size
+        blocks, where = torch.unique(slots // bs, return_inverse=True)
+        by_block = self.k[layer].view(self.num_blocks, bs, self.num_kv_heads, self.k_row)
+        keys = self.fmt.decode_k(by_block[blocks])
+        return keys.reshape(-1, self.num_kv_heads, self.head_dim)[where * bs + slots % bs]
 
     def allocate(self, n: int, zero: bool = True) -> list[int]:
         """``n`` free blocks; ``zero=False`` for a caller that writes every slot of them at once (a recall)."""
         if n > len(self._free):
             raise RuntimeError(f"KV pool exhausted: asked for {n} blocks, {len(self._free)} free")
         ids = [self._free.pop() for _ in range(n)]
+        for b in ids:
+            self._open.pop(b, None)
         if ids and zero:
             slots = self.slots_of(ids)
             self.score[slots] = 0.0
@@ -164,6 +224,8 @@ class BlockPool:
         return ids
 
     def free(self, ids: list[int]) -> None:
+        for b in ids:
+            self._open.pop(b, None)
         self._free.extend(ids)
 
     def slots_of(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
@@ -176,16 +238,18 @@ class BlockPool:
         """Keys, values ``[layers, n, block_size, kv_heads, row]`` as stored (quantised rows for a quantised pool)
         and scores ``[n, block_size]``."""
         slots = self.slots_of(block_ids)
-        shape = (self.num_layers, len(block_ids), self.block_size, self.num_kv_heads, self.row)
+        shape = (self.num_layers, len(block_ids), self.block_size, self.num_kv_heads)
         return (
-            self.k[:, slots].reshape(shape),
-            self.v[:, slots].reshape(shape),
+            self.k[:, slots].reshape(*shape, self.k_row),
+            self.v[:, slots].reshape(*shape, self.v_row),
             self.score[slots].reshape(len(block_ids), self.block_size),
         )
 
     def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, score: torch.Tensor) -> None:
+        for b in block_ids:
+            self._open.pop(b, None)
         slots = self.slots_of(block_ids)
-        flat = (self.num_layers, len(slots), self.num_kv_heads, self.row)
-        self.k[:, slots] = k.to(self.device, non_blocking=True).reshape(flat)
-        self.v[:, slots] = v.to(self.device, non_blocking=True).reshape(flat)
+        flat = (self.num_layers, len(slots), self.num_kv_heads)
+        self.k[:, slots] = k.to(self.device, non_blocking=True).reshape(*flat, self.k_row)
+        self.v[:, slots] = v.to(self.device, non_blocking=True).reshape(*flat, self.v_row)
         self.score[slots] = score.to(self.device, non_blocking=True).reshape(-1)

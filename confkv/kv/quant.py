@@ -1,17 +1,22 @@
 """Quantised KV rows: each token's key (or value) vector of one KV head, packed with its own scale into bytes.
 
 Scales are computed when a token is written (per token and KV head, as vLLM's int8/fp8 per-token modes and KIVI's
-values do), so no calibration file is needed and a token's row never changes once written: a block moves between the
-device pool, the host tier and a session record as the same bytes. A row is ``[data | scale (| zero point)]``:
+values do), so no calibration file is needed and a token's row never changes once its block is full (int4 keys are
+re-encoded while their block fills): a block moves between the device pool, the host tier and a session record as the
+same bytes. A row is ``[data | scale (| zero point)]``:
 
-=======  =========================================  ==============================  ======================
-dtype    data                                       scale bytes                     bytes (head_dim 64)
-=======  =========================================  ==============================  ======================
-int8     ``round(x / s)`` in -127..127, one a byte   ``s = absmax / 127``, float16   66 (fp32: 256)
-fp8      ``x / s`` as ``float8_e4m3fn``             ``s = absmax / 448``, float16   66
-int4     ``round((x - m) / s)`` in 0..15, two a byte ``s = (max - m) / 15``, ``m``   36
-int2     ``round((x - m) / s)`` in 0..3, four a byte ``s = (max - m) / 3``, ``m``    20 (demoted blocks only)
-=======  =========================================  ==============================  ======================
+=======  ===========================================  ==============================  =====================
+dtype    data                                         scale bytes                     bytes (head_dim 64)
+=======  ===========================================  ==============================  =====================
+int8     ``round(x / s)`` in -127..127, one a byte     ``s = absmax / 127``, float16   66 (fp32: 256)
+fp8      ``x / s`` as ``float8_e4m3fn``               ``s = absmax / 448``, float16   66
+int4     ``round((x - m) / s)`` in 0..15, two a byte  ``s = (max - m) / 15``, ``m``   V 40, K 48 (block 16)
+int2     ``round((x - m) / s)`` in 0..3, four a byte  ``s = (max - m) / 3``, ``m``    20 (demoted blocks only)
+=======  ===========================================  ==============================  =====================
+
+The pool's int4 is KIVI's layout: values per token in groups of 32 channels (``GroupedInt4Codec``, a grid per
+group), keys per channel within a block (``ChannelKeyCodec``, a grid per channel over the block's tokens, spread over
+its rows). Demoted blocks use ``Int4Codec``/``Int2Codec``: one grid per row, keys and values alike.
 
 int4 is asymmetric (a zero point ``m``, the minimum): at 16 levels a symmetric grid wastes one level and, on a row
 whose values lean to one side, half of the others. Scales are kept in float16, rounded before the data are
@@ -177,6 +182,45 @@ class Int4Codec(_AsymmetricCodec):
     bits = 4
 
 
+class GroupedInt4Codec(KVCodec):
+    """int4 values per token in groups of 32 channels, each group its own scale and zero point (``Int4Codec`` rows
+    of 32 values side by side): the pool's int4 values. One grid per 64-channel row cost +1.04% perplexity on smollm2
+    with everything else exact, groups of 32 +0.40% (``benchmarks/int4_ablation.py``), for 4 more bytes a row."""
+
+    name = "int4"
+    bits = 4
+    GROUP = 32
+    _ROW = Int4Codec()
+
+    def _group(self, head_dim: int) -> int:
+        return min(self.GROUP, head_dim)
+
+    def row_bytes(self, head_dim: int) -> int:
+        g = self._group(head_dim)
+        return head_dim // g * self._ROW.row_bytes(g)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        g = self._group(x.shape[-1])
+        if x.shape[-1] % g:
+            raise ValueError(f"int4 values in groups of {g}: head_dim {x.shape[-1]} is not a multiple")
+        return x.reshape(*x.shape[:-1], -1, g)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._ROW.encode(self._split(x))  # [..., groups, g/2 + 4]
+        return packed.reshape(*x.shape[:-1], -1)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # a row of G groups is G * (g/2 + 4) bytes: g = 32 unless head_dim is smaller (then one group)
+        per = self._ROW.row_bytes(self.GROUP)
+        groups = rows.shape[-1] // per if rows.shape[-1] % per == 0 else 1
+        out = self._ROW.decode(rows.reshape(*rows.shape[:-1], groups, -1), dtype)
+        return out.reshape(*rows.shape[:-1], -1)
+
+    def max_error(self, x: torch.Tensor) -> torch.Tensor:
+        xs = self._split(x)
+        return self._ROW.max_error(xs).expand(xs.shape).reshape(x.shape)
+
+
 class Int2Codec(_AsymmetricCodec):
     """Four levels: only for demoted blocks (``demote_dtype: int2``), never the pool's own dtype."""
 
@@ -184,7 +228,149 @@ class Int2Codec(_AsymmetricCodec):
     bits = 2
 
 
-_CODECS: dict[str, type[KVCodec]] = {c.name: c for c in (Int8Codec, Fp8Codec, Int4Codec)}
+class ChannelKeyCodec:
+    """int4 keys per channel within a block (KIVI, 2024): each channel of a block's keys gets its own scale and
+    zero point over the block's tokens, so an outlier channel (RoPE'd keys have several) sets only its own range.
+
+    Per-token int4 keys cost +16% perplexity on smollm2 (docs/kv-dtypes.md); the outliers are per channel, so a row's
+    one range serves its small channels badly. A block's ``head_dim`` scales and zero points (float16, ``4 *
+    head_dim`` bytes) are spread over its ``block_size`` rows, ``4 * head_dim / block_size`` bytes each, so a block
+    is still its rows and moves between tiers as the same bytes. At head_dim 64 and block 16 a key row is 48 bytes
+    (32 of data). ``filled`` (the rows written so far) limits the range to real tokens while a block is open: the
+    pool re-encodes an open block from its float copy as it fills (``confkv/kv/pool.py``).
+    """
+
+    name = "int4"
+    bits = 4
+    _LEVELS = 15
+
+    def __init__(self, head_dim: int, block_size: int) -> None:
+        if head_dim % 2 or (4 * head_dim) % block_size:
+            raise ValueError(
+                f"int4 keys per channel: head_dim {head_dim} must be even and 4 x head_dim a multiple of the block "
+                f"size {block_size}"
+            )
+        self.head_dim = head_dim
+        self.block_size = block_size
+
+    def row_bytes(self, head_dim: int | None = None) -> int:
+        return self.head_dim // 2 + 4 * self.head_dim // self.block_size
+
+    def _grid(self, x: torch.Tensor, filled: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and zero point ``[..., 1, kvh, D]`` of blocks ``x`` ``[..., bs, kvh, D]`` over their first
+        ``filled`` rows (``[...]``, or all rows)."""
+        xf = x.float()
+        lo_in, hi_in = xf, xf
+        if filled is not None:
+            real = (torch.arange(self.block_size, device=x.device) < filled[..., None])[..., None, None]
+            lo_in = xf.masked_fill(~real, float("inf"))
+            hi_in = xf.masked_fill(~real, float("-inf"))
+        lo = lo_in.amin(-3, keepdim=True)
+        hi = hi_in.amax(-3, keepdim=True)
+        empty = ~torch.isfinite(lo) & ~torch.isfinite(hi) & (lo > hi)  # no row yet: a zero grid
+        lo = lo.masked_fill(empty, 0.0).to(_SCALE).float()
+        s = ((hi.masked_fill(empty, 0.0) - lo) / self._LEVELS).to(_SCALE).float()
+        return s, lo
+
+    def encode(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks of keys ``[..., block_size, kv_heads, head_dim]`` -> rows ``[..., block_size, kv_heads, row]``."""
+        bs, d = self.block_size, self.head_dim
+        s, lo = self._grid(x, filled)
+        q = ((x.float() - lo) / s.clamp_min(_TINY)).round_().clamp_(0, self._LEVELS).to(torch.uint8)
+        q = q.reshape(*q.shape[:-1], d // 2, 2)
+        packed = q[..., 0] | (q[..., 1] << 4)
+        grid = torch.cat([s, lo], dim=-1).squeeze(-3).to(_SCALE).contiguous().view(torch.uint8)  # [..., kvh, 4D]
+        grid = grid.reshape(*grid.shape[:-1], bs, 4 * d // bs).transpose(-2, -3)  # [..., bs, kvh, 4D/bs]
+        return torch.cat([packed, grid], dim=-1)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``[..., block_size, kv_heads, row]`` (whole blocks) -> keys ``[..., block_size, kv_heads, D]``."""
+        d = self.head_dim
+        packed = rows[..., : d // 2]
+        grid = rows[..., d // 2 :].transpose(-2, -3).contiguous()  # [..., kvh, bs, 4D/bs]
+        grid = grid.reshape(*grid.shape[:-2], 4 * d).view(_SCALE).float().unsqueeze(-3)  # [..., 1, kvh, 2D]
+        q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*packed.shape[:-1], d)
+        return q.float().mul_(grid[..., :d]).add_(grid[..., d:]).to(dtype)
+
+    def max_error(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
+        """Half a step of each channel's grid plus float16 rounding of its zero point, for the filled rows."""
+        s, lo = self._grid(x, filled)
+        xf = x.float()
+        real_lo = xf.amin(-3, keepdim=True) if filled is None else lo
+        return s * 0.5 + (real_lo - lo).abs() + 16 * s * 2**-10 + xf.abs().amax(-3, keepdim=True) * 2**-10
+
+
+class KVFormat:
+    """How one tier stores a block's K and V: ``auto`` (the model's dtype) or a quantised ``kv_cache_dtype``.
+
+    Keys and values may use different codecs (int4: keys per channel within a block, values per token, as KIVI
+    does), so their rows may differ in width. ``record_dtype`` names what the rows are in a session record; rows of
+    one format mean nothing in another, so records of different formats are foreign to each other.
+    """
+
+    def __init__(self, kv_cache_dtype: str, head_dim: int, block_size: int, compute_dtype: torch.dtype) -> None:
+        self.name = kv_cache_dtype
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.compute_dtype = compute_dtype
+        self.v_codec: KVCodec | None = codec_for(kv_cache_dtype)
+        if self.v_codec is not None and (head_dim * self.v_codec.bits) % 8:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: head_dim {head_dim} does not pack into whole bytes")
+        if self.v_codec is not None:  # a geometry the codec cannot lay out is refused here, not at the first write
+            self.v_codec.encode(torch.zeros(1, head_dim))
+        self.k_codec: KVCodec | ChannelKeyCodec | None = (
+            ChannelKeyCodec(head_dim, block_size) if kv_cache_dtype == "int4" else self.v_codec
+        )
+        #: The dtype of stored rows: bytes for a quantised format.
+        self.storage_dtype = compute_dtype if self.v_codec is None else torch.uint8
+        self.k_row = head_dim if self.k_codec is None else self.k_codec.row_bytes(head_dim)
+        self.v_row = head_dim if self.v_codec is None else self.v_codec.row_bytes(head_dim)
+
+    @property
+    def quantised(self) -> bool:
+        return self.v_codec is not None
+
+    @property
+    def record_dtype(self) -> str:
+        """``"float32"`` (torch's spelling of the model's dtype) or ``"kv-int8"``, ``"kv-fp8"``, ``"kv-int4c"``."""
+        return str(self.compute_dtype).removeprefix("torch.") if self.v_codec is None else RECORD_DTYPES[self.name]
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int) -> int:
+        """K and V bytes of one token; rows of the model's dtype count its element size."""
+        el = torch.empty((), dtype=self.storage_dtype).element_size()
+        return num_layers * num_kv_heads * (self.k_row + self.v_row) * el
+
+    def encode_k(self, x: torch.Tensor) -> torch.Tensor:
+        """Whole blocks of keys ``[..., block_size, kv_heads, head_dim]`` -> stored rows."""
+        return x.to(self.storage_dtype) if self.k_codec is None else self.k_codec.encode(x)
+
+    def encode_v(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.storage_dtype) if self.v_codec is None else self.v_codec.encode(x)
+
+    def decode_k(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Stored rows of whole blocks ``[..., block_size, kv_heads, row]`` -> keys in ``dtype`` (the compute
+        dtype by default); an ``auto`` format's rows themselves."""
+        dtype = dtype or self.compute_dtype
+        return rows if self.k_codec is None else self.k_codec.decode(rows, dtype)
+
+    def decode_v(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Stored rows ``[..., row]`` (any grouping: values are per token) -> values."""
+        dtype = dtype or self.compute_dtype
+        return rows if self.v_codec is None else self.v_codec.decode(rows, dtype)
+
+    def convert_to(self, other: KVFormat, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks' rows ``[..., block_size, kv_heads, row]`` in this format re-encoded in ``other`` (the rows
+        themselves where both are the same format)."""
+        if other.name == self.name and other.compute_dtype == self.compute_dtype:
+            return k, v
+        kf, vf = self.decode_k(k, torch.float32), self.decode_v(v, torch.float32)
+        return other.encode_k(kf.to(other.compute_dtype)), other.encode_v(vf.to(other.compute_dtype))
+
+
+_CODECS: dict[str, type[KVCodec]] = {c.name: c for c in (Int8Codec, Fp8Codec, GroupedInt4Codec)}
+#: A session record's dtype for each quantised ``kv_cache_dtype``. int4 is ``kv-int4c`` (keys per channel): the
+#: earlier per-token int4 rows, recorded as ``kv-int4``, are foreign to it.
+RECORD_DTYPES: dict[str, str] = {"int8": "kv-int8", "fp8": "kv-fp8", "int4": "kv-int4c"}
 #: Formats a block evicted from the pool may be kept in on the device (``demote_dtype``).
 DEMOTE_CODECS: dict[str, type[KVCodec]] = {c.name: c for c in (Int4Codec, Int2Codec)}
 

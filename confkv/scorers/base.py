@@ -42,7 +42,7 @@ class BlockView:
         pool = self.pool
         slots = pool.slots_of(self.block_ids)
         rows = pool.k[:, slots].reshape(pool.num_layers, len(self.logical), pool.block_size, pool.num_kv_heads, -1)
-        return pool.dequant(rows)
+        return pool.dequant_k(rows)
 
 
 class BlockScorer(ABC):

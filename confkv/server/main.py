@@ -171,6 +171,7 @@ def load_engine(args: argparse.Namespace, settings: ServerSettings) -> tuple[LLM
             "dtype": args.dtype,
             "kv_cache_memory": args.kv_cache_memory,
             "kv_cache_dtype": args.kv_cache_dtype,
+            "host_kv_dtype": args.host_kv_dtype,
             "max_batch_size": args.max_batch_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len,

@@ -47,7 +47,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from confkv.kv.quant import KV_CACHE_DTYPES
+from confkv.kv.quant import RECORD_DTYPES
 from confkv.sessions.errors import CorruptRecord, ForeignRecord
 
 FORMAT_VERSION = 1
@@ -113,7 +113,7 @@ class SessionTokens:
 #: Record dtypes of quantised pools (``kv_cache_dtype`` int8, fp8, int4): the blocks are the pool's packed rows, bytes
 #: of data and per-row scales (``confkv/kv/quant.py``), kept as ``uint8`` tensors. Each is foreign to the others and
 #: to a float pool, as one float dtype is to another.
-PACKED_DTYPES: dict[str, str] = {f"kv-{d}": "uint8" for d in KV_CACHE_DTYPES if d != "auto"}
+PACKED_DTYPES: dict[str, str] = {name: "uint8" for name in RECORD_DTYPES.values()}
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -216,15 +216,16 @@ def _check_record(record: SessionRecord) -> None:
     _check_ids(record)
     sid, bs, want = record.session_id, record.block_size, tensor_dtype_name(dtype_name(record.dtype))
     n_blocks = -(-record.num_computed // bs)
-    shape: torch.Size | None = None
+    shape: tuple[torch.Size, torch.Size] | None = None
     for idx, blk in record.blocks.items():
         if not isinstance(idx, int) or not 0 <= idx < n_blocks:
             raise ValueError(f"session {sid!r}: block {idx!r} is outside the {n_blocks} blocks of computed tokens")
         if blk.k.dim() != 4 or blk.k.shape[1] != bs:
             raise ValueError(f"session {sid!r}: block {idx} k is {tuple(blk.k.shape)}, want [layers, {bs}, heads, dim]")
-        if blk.v.shape != blk.k.shape or (shape is not None and blk.k.shape != shape):
+        # a packed record's key and value rows may differ in width (int4: keys per channel, values per token)
+        if blk.v.shape[:-1] != blk.k.shape[:-1] or (shape is not None and (blk.k.shape, blk.v.shape) != shape):
             raise ValueError(f"session {sid!r}: block {idx} k/v shapes differ from the others")
-        shape = blk.k.shape
+        shape = (blk.k.shape, blk.v.shape)
         if dtype_name(blk.k.dtype) != want or dtype_name(blk.v.dtype) != want:
             raise ValueError(f"session {sid!r}: block {idx} is {blk.k.dtype}/{blk.v.dtype}, the record says {want}")
         if blk.score.shape != (bs,) or blk.score.dtype != torch.float32:

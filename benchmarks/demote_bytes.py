@@ -1,0 +1,132 @@
+"""``dynamic`` with ``demote_dtype`` against the fixed baselines at the same KV bytes: perplexity and pass keys.
+
+    python benchmarks/demote_bytes.py --pool-dtype int8 --demote int4 --baseline-dtypes int8,auto
+
+Bytes are counted against ``full`` at ``auto`` (the model's dtype), two ways, each summed over a workload's items:
+``peak``: the peak resident bytes (at the pool's ``kv_cache_dtype``) plus the peak of the demoted copies, over
+``full``'s bytes at ``auto`` (every token, float); ``mean``: the mean resident bytes plus the demoted copies' peak,
+over ``full@auto``'s mean resident bytes (a teacher-forced text grows, so full's mean is about half its peak).
+
+Workloads: the prose items of ``--suite`` (held-out split, scored teacher-forced as ``confkv bench`` scores its
+prose; perplexity over every token) and pass-key prompts (``confkv.bench.passkey``, repeated filler, ``--length``
+tokens, the key at each of ``--depths`` for each of ``--seeds``; 8 tokens generated greedily; an answer is right when
+it contains the key, and "as full" counts the items where it is right exactly where ``full``'s is).
+
+Rows: ``full`` at ``auto`` and at the pool dtype; the suite's scaled ``dynamic`` (sizes times ``--scale``) at the pool
+dtype, evicting and with ``--demote``; then each of ``--baselines`` at each of ``--baseline-dtypes``, with a token
+budget that buys, at that dtype, the peak bytes the demoting ``dynamic`` held on that workload (rounded up to a
+block): the memory one must provision for it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from common import load, parser, report, setup
+
+from confkv import LLM, SamplingParams
+from confkv.bench.evaluator import build_workloads
+from confkv.bench.passkey import passkey_item
+from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
+from confkv.kv.pool import BlockPool
+
+POOL = 256 << 20
+
+
+def bytes_per_token(loaded, kv_cache_dtype: str, block_size: int) -> int:
+    layers, kv_heads, head_dim = BlockPool.geometry(loaded.model.config)
+    dtype = next(loaded.model.parameters()).dtype
+    return BlockPool.bytes_per_block_for(layers, kv_heads, head_dim, block_size, dtype, kv_cache_dtype) // block_size
+
+
+def held(outs, auto_bpt: int) -> dict[str, float]:
+    """Peak bytes held (resident plus demoted copies) over full's at auto (every token), and the mean resident
+    bytes plus the demoted peak, summed over the items (divided by full@auto's mean by the caller)."""
+    full = sum(o.kv["full_tokens"] for o in outs) * auto_bpt
+    return {
+        "peak": sum(o.kv["peak_resident_bytes"] + o.kv["demoted_peak_bytes"] for o in outs) / full,
+        "mean": sum(o.kv["mean_resident_bytes"] + o.kv["demoted_peak_bytes"] for o in outs),
+    }
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--suite", default="quick", choices=("quick", "standard"))
+    p.add_argument("--pool-dtype", default="int8")
+    p.add_argument("--demote", default="int4")
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies the scaled dynamic's sizes")
+    p.add_argument("--baselines", default="window,streaming,h2o,snapkv")
+    p.add_argument("--baseline-dtypes", default="int8,auto")
+    p.add_argument("--length", type=int, default=1500)
+    p.add_argument("--depths", default="0.1,0.5")
+    p.add_argument("--seeds", default="11,12")
+    args = p.parse_args()
+    device, env = setup(args)
+    loaded = load(args, device)
+    t_start = time.perf_counter()
+    spec = suite_spec(args.model, args.suite)
+    prose = build_workloads(loaded.tokenizer, spec, "heldout", 0).prose
+    keys = [
+        passkey_item(loaded.tokenizer, args.length, float(d), int(s))
+        for d in args.depths.split(",")
+        for s in args.seeds.split(",")
+    ]
+    dynamic = scaled_dynamic(spec.scale * args.scale)
+    bs = dynamic.block_size
+    auto_bpt = bytes_per_token(loaded, "auto", bs)
+    result: dict = {**env, "suite": args.suite, "prose_items": len(prose), "passkey_items": len(keys),
+                    "dynamic": {k: getattr(dynamic, k) for k in ("base_size", "max_size", "min_recent")}}  # fmt: skip
+    full_right: dict[str, list[bool]] = {}  # full@auto's answers, the first run's
+    full_mean: dict[str, float] = {}  # full@auto's mean resident bytes per workload
+
+    def run(name: str, policy, kv_cache_dtype: str, workloads: tuple[str, ...] = ("prose", "passkey")) -> dict:
+        llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=POOL)
+        row: dict = result.setdefault(name, {"kv_cache_dtype": kv_cache_dtype})
+        if "prose" in workloads:
+            scored = llm.score([list(it.prompt_ids) for it in prose], [max(1, it.score_from or 1) for it in prose])
+            nll = [float(-lp) for r in scored for lp in r.token_logprobs]
+            row["ppl"] = math.exp(sum(nll) / len(nll))
+            if name != "full@auto":
+                row["ppl_delta_pct"] = 100 * (row["ppl"] / result["full@auto"]["ppl"] - 1)
+            h = held(scored, auto_bpt)
+            full_mean.setdefault("prose", h["mean"])
+            row["prose_peak_bytes_vs_full_auto"] = h["peak"]
+            row["prose_mean_bytes_vs_full_auto"] = h["mean"] / full_mean["prose"]
+            row["mean_prose_tokens"] = sum(r.kv["full_tokens"] for r in scored) / len(scored)
+        if "passkey" in workloads:
+            answers = llm.generate([it.prompt for it in keys], SamplingParams(max_tokens=8))
+            right = [it.correct(o.text) for it, o in zip(keys, answers, strict=True)]
+            full_right.setdefault("right", right)
+            row["passkey_right"] = sum(right)
+            row["passkey_as_full"] = sum(a == b for a, b in zip(right, full_right["right"], strict=True))
+            h = held(answers, auto_bpt)
+            full_mean.setdefault("passkey", h["mean"])
+            row["passkey_peak_bytes_vs_full_auto"] = h["peak"]
+            row["passkey_mean_bytes_vs_full_auto"] = h["mean"] / full_mean["passkey"]
+            row["mean_passkey_tokens"] = sum(o.kv["full_tokens"] for o in answers) / len(answers)
+        return row
+
+    run("full@auto", "full", "auto")
+    if args.pool_dtype != "auto":
+        run(f"full@{args.pool_dtype}", "full", args.pool_dtype)
+    run(f"dynamic@{args.pool_dtype}", dynamic, args.pool_dtype)
+    demoting = run(f"dynamic+{args.demote}@{args.pool_dtype}", dynamic.replace(demote_dtype=args.demote),
+                   args.pool_dtype)  # fmt: skip
+    for dtype in filter(None, args.baseline_dtypes.split(",")):
+        bpt = bytes_per_token(loaded, dtype, bs)
+        budgets = {}
+        for workload in ("prose", "passkey"):
+            held_peak = demoting[f"{workload}_peak_bytes_vs_full_auto"] * demoting[f"mean_{workload}_tokens"] * auto_bpt
+            tokens = held_peak / bpt
+            budgets[workload] = max(2 * bs, math.ceil(tokens / bs) * bs)
+        for name in filter(None, args.baselines.split(",")):
+            for workload, budget in budgets.items():  # each workload its own budget, so its own engine
+                row = run(f"{name}@{dtype}", baseline_policy(dynamic, name, budget), dtype, (workload,))
+                row[f"{workload}_budget_tokens"] = budget
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    report(args, result)
+
+
+if __name__ == "__main__":
+    main()
