@@ -15,7 +15,7 @@ from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from confkv.config import CachePolicy
-from confkv.controllers.learned import KnobSpace, MLPPolicy
+from confkv.controllers.learned import OBS_VERSION, KnobSpace, MLPPolicy
 
 
 def _linear_stack(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
@@ -46,10 +46,12 @@ def export_sb3(
     base_policy: CachePolicy,
     extra: dict[str, Any] | None = None,
     space: KnobSpace | None = None,
+    obs_version: int = OBS_VERSION,
 ) -> Path:
     """``space``: the knob space the agent acted in, when it is not the one centred on ``base_policy`` with that
-    policy's own bounds (a warm-started agent's)."""
+    policy's own bounds (a warm-started agent's); ``obs_version``: the observation layout it was trained on."""
     mlp = to_mlp(model, action)
+    mlp.obs_version = obs_version
     if action == "knobs":
         mlp.space = space
     return mlp.save(out, base_policy, extra)

@@ -23,7 +23,7 @@ import gymnasium as gym
 import numpy as np
 
 from confkv.controllers import BudgetState, StepSignals
-from confkv.controllers.learned import segment_observation
+from confkv.controllers.learned import SegmentMeans, push_history, segment_observation
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import Sequence
 from envs.env import (
@@ -48,7 +48,7 @@ class ConfKVDecodeEnv(gym.Env):
         self.weights = weights or RewardWeights()
         self.space = data.knob_space()
         self.budget_range = budget_range(action, data.base_policy, self.space)
-        self.observation_space = observation_space()
+        self.observation_space = observation_space(data.obs_version)
         self.action_space = action_space(action, self.space)
         self.episodes = [ep for ep in data.episodes if ep.workload != "prose"]
         if not self.episodes:
@@ -65,6 +65,7 @@ class ConfKVDecodeEnv(gym.Env):
         self._totals: dict[str, float] = {}
         self._segment: list[StepSignals] = []  # the latest segment's signals (what the next decision replays)
         self._start = 0.0  # the budget that segment started from
+        self._history: tuple[SegmentMeans, ...] | None = None  # recent segment means (observation layout 2)
 
     # ------------------------------------------------------------------------------------------------- helpers
     def _seq(self) -> Sequence | None:
@@ -88,8 +89,11 @@ class ConfKVDecodeEnv(gym.Env):
         self._segment = out
         return out
 
-    def _observe(self, seq: Sequence, segment: list[StepSignals]) -> np.ndarray:
-        return segment_observation(segment, seq.ctrl.budget, self.data.base_policy, budget_range=self.budget_range)
+    def _observe(self, seq: Sequence, segment: list[StepSignals], first: bool = False) -> np.ndarray:
+        if self.data.obs_version == 2:
+            self._history = push_history(() if first else self._history or (), segment)
+        return segment_observation(segment, seq.ctrl.budget, self.data.base_policy, budget_range=self.budget_range,
+                                   history=self._history)  # fmt: skip
 
     # --------------------------------------------------------------------------------------------------- gym api
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
@@ -118,7 +122,7 @@ class ConfKVDecodeEnv(gym.Env):
         self._start = after_read(seq, self.data.base_policy, segment)
         self._seen = len(seq.trace.entropy)
         self._update_divergence(seq)
-        return self._observe(seq, segment), {"episode_index": i, "item": ep.item_id}
+        return self._observe(seq, segment, first=True), {"episode_index": i, "item": ep.item_id}
 
     def _update_divergence(self, seq: Sequence) -> list[bool]:
         """Per new token: whether the output had departed from the reference by then."""

@@ -40,10 +40,13 @@ from stable_baselines3.common.vec_env import VecEnv
 from confkv.config import CachePolicy
 from confkv.controllers import BudgetState, DynamicController, StepSignals
 from confkv.controllers.learned import (
-    OBS_DIM,
+    OBS_VERSION,
     KnobSpace,
+    SegmentMeans,
     apply_budget_action,
     full_knobs,
+    obs_dim,
+    push_history,
     replay_budget,
     segment_observation,
 )
@@ -68,8 +71,9 @@ class RewardWeights:
                 raise ConfkvError(f"--{f.name.replace('_', '-')} must be a finite number (got {value})")
 
 
-def observation_space() -> spaces.Box:
-    return spaces.Box(0.0, 1.0, (OBS_DIM,), dtype=np.float32)
+def observation_space(version: int = OBS_VERSION) -> spaces.Box:
+    """The observation of layout ``version`` (``confkv.controllers.learned``): every entry in [0, 1]."""
+    return spaces.Box(0.0, 1.0, (obs_dim(version),), dtype=np.float32)
 
 
 def action_space(action: str, space: KnobSpace | None = None) -> spaces.Space:
@@ -106,9 +110,12 @@ def segment_signals(st: ItemState, pool_usage: float) -> list[StepSignals]:
 
 
 def observe(
-    st: ItemState, base: CachePolicy, pool_usage: float, lo_hi: tuple[float, float] | None = None
-) -> np.ndarray:
-    return segment_observation(segment_signals(st, pool_usage), st.seq.ctrl.budget, base, budget_range=lo_hi)
+    st: ItemState, base: CachePolicy, pool_usage: float, lo_hi: tuple[float, float] | None = None,
+    history: tuple[SegmentMeans, ...] | None = None,
+) -> np.ndarray:  # fmt: skip
+    """The observation after ``st``'s latest segment; ``history`` (layout 2) already holds that segment."""
+    return segment_observation(segment_signals(st, pool_usage), st.seq.ctrl.budget, base, budget_range=lo_hi,
+                               history=history)  # fmt: skip
 
 
 class ReadController(DynamicController):
@@ -217,6 +224,16 @@ class _Slots:
         self.episode: list[Episode | None] = [None] * n
         self.totals: list[dict[str, float]] = [{} for _ in range(n)]
         self.start_budget: list[float] = [0.0] * n  # the budget each slot's current segment started from
+        #: Each slot's recent segment means (observation layout 2; None for layout 1): what a ``LearnedController``
+        #: of that layout keeps in its state
+        self.history: list[tuple[SegmentMeans, ...] | None] = [None] * n
+
+    def _observe(self, slot: int, st: ItemState, usage: float, first: bool = False) -> np.ndarray:
+        """The slot's observation after its latest segment, the segment pushed onto its history first."""
+        if self.data.obs_version == 2:
+            signals = segment_signals(st, usage)
+            self.history[slot] = push_history(() if first else self.history[slot] or (), signals)
+        return observe(st, self.data.base_policy, usage, self.budget_range, self.history[slot])
 
     def start(self, slot: int, episode: Episode) -> np.ndarray:
         """Begin ``episode`` in ``slot``: read its prompt and first token alone; returns the first observation."""
@@ -231,7 +248,7 @@ class _Slots:
             if st is None:  # a one-token episode finished while being read
                 raise RuntimeError("episode too short to observe")
         self.start_budget[slot] = after_read(st.seq, base, segment_signals(st, self.engine.pool.usage))
-        return observe(st, base, self.engine.pool.usage, self.budget_range)
+        return self._observe(slot, st, self.engine.pool.usage, first=True)
 
     def advance(self, actions: list[Any]) -> list[tuple[np.ndarray, float, bool, dict[str, Any]]]:
         return self.advance_some(list(range(len(actions))), actions)
@@ -279,7 +296,7 @@ class _Slots:
                     "kl": tot["kl"] / tot["steps"],
                     **({"task_correct": info["task_correct"]} if "task_correct" in info else {}),
                 }
-            out.append((observe(st, base, usage, self.budget_range), returned, st.done, info))
+            out.append((self._observe(slot, st, usage), returned, st.done, info))
         return out
 
     def _reference(self, episode: Episode, step: int) -> float:
@@ -305,7 +322,7 @@ class ConfKVEnv(gym.Env):
     ) -> None:  # fmt: skip
         super().__init__()
         self.data = data
-        self.observation_space = observation_space()
+        self.observation_space = observation_space(data.obs_version)
         self.action_space = action_space(action, data.knob_space())
         self._slots = _Slots(data, 1, action, weights or RewardWeights(), reference)
         self._live = False
@@ -342,7 +359,7 @@ class ConfKVVecEnv(VecEnv):
         reference: dict[str, list[float]] | None = None,
     ) -> None:  # fmt: skip
         self.render_mode = None
-        super().__init__(n_envs, observation_space(), action_space(action, data.knob_space()))
+        super().__init__(n_envs, observation_space(data.obs_version), action_space(action, data.knob_space()))
         self.data = data
         self._slots = _Slots(data, n_envs, action, weights or RewardWeights(), reference)
         self._rng = np.random.default_rng(seed)

@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode", choices=["teacher", "decode"], default="teacher",
         help="episodes scored teacher-forced (fast, KL reward) or decoded freely (divergence reward)",
     )  # fmt: skip
+    train.add_argument(
+        "--observation", choices=["segment", "history"], default="segment",
+        help="ppo/sac: what the agent observes: the latest segment's signals and context (14 entries, the layout "
+        "of earlier exports) or those plus the last four segments' mean entropy, gap and top-1 and their trend (20: "
+        "what `confkv-tune probe` found informative); the export records which",
+    )  # fmt: skip
     train.add_argument("--objectives", choices=["reward", "pareto"], default="reward", help="optuna objective(s)")
     train.add_argument("--storage", default=None, help="optuna storage URL (default sqlite:///OUT/optuna.db)")
     train.add_argument("--study", default=None, help="optuna study name (default confkv-<model>-<workload>)")

@@ -128,9 +128,34 @@ def cmd_register(args: argparse.Namespace) -> int:
             parent=int(args.parent) if args.parent and args.parent.isdigit() else args.parent,
             description=args.description or meta.get("description"), artifact_store=args.artifact_store,
         )  # fmt: skip
-    print(f"registered {info.ref} ({info.kind}, sha256 {info.sha256[:12]}) in {reg.url}", file=sys.stderr)
+        print(f"registered {info.ref} ({info.kind}, sha256 {info.sha256[:12]}) in {reg.url}", file=sys.stderr)
+        if args.run and (source / "policy.json").is_file():  # a learned policy: also its MLflow model, as train logs
+            _log_model_on_run(args.run, args.tracking_uri, source, f"registry://{info.ref}")
     print(info.version)
     return 0
+
+
+def _log_model_on_run(run_id: str, tracking_uri: str | None, folder: Path, ref: str) -> None:
+    """Log the learned policy registered from ``run_id`` as a pyfunc model of that run, linked to the version it
+    became (what ``train`` does for the versions it registers itself). The run keeps its status and end time (MLflow
+    marks a run it reopens FINISHED). The version stands whatever happens here, so a failure is a warning."""
+    import mlflow
+
+    from tuner.pyfunc import log_policy_model
+    from tuner.tracking import DEFAULT_TRACKING_URI
+
+    mlflow.set_tracking_uri(tracking_uri or DEFAULT_TRACKING_URI)
+    client = mlflow.MlflowClient()
+    try:
+        before = client.get_run(run_id).info
+        with mlflow.start_run(run_id=run_id):
+            uri = log_policy_model(folder, ref)
+        client.set_terminated(run_id, status=before.status, end_time=before.end_time)
+    except Exception as err:  # MLflow raises several types; the registry version is already there
+        print(f"confkv-tune: warning: {ref} was registered but its MLflow model was not logged on run {run_id}: "
+              f"{str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)  # fmt: skip
+        return
+    print(f"logged the MLflow model {uri} on run {run_id}, linked to {ref}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------------ policies

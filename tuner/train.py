@@ -24,6 +24,8 @@ from tuner.tracking import DEFAULT_TRACKING_URI
 from tuner.train_rl import checkpoint_of, preset_of, train_rl, warm_start
 
 DEFAULT_TRIALS = 24
+#: ``--observation``'s choices and the observation layouts they name (``confkv.controllers.learned.OBS_VERSIONS``).
+OBSERVATIONS = {"segment": 1, "history": 2}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -37,6 +39,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("sac needs --action knobs")
     if args.init_policy is not None and (args.algo == "optuna" or args.action != "knobs"):
         raise ConfkvError("--init-policy starts a knobs agent (ppo or sac with --action knobs)")
+    if args.observation != "segment" and args.algo == "optuna":
+        raise ConfkvError("--observation is for ppo or sac (an Optuna trial sets its knobs once, seeing nothing)")
     if args.relative_reward and args.algo == "optuna":
         raise ConfkvError("--relative-reward is for ppo or sac")
     if (args.gamma is not None or args.ent_coef is not None) and args.algo == "optuna":
@@ -104,6 +108,7 @@ def _run(
 
     t0 = time.perf_counter()
     data = options.tune_data(args, "train")
+    data.obs_version = OBSERVATIONS[args.observation]
     if len(scorers) == 1:
         data.base_policy = data.base_policy.replace(scorer=scorers[0])
     weights = reward_weights(args)
@@ -115,7 +120,8 @@ def _run(
         "episodes": len(data.episodes), "items_scale": args.items_scale, "timesteps": args.timesteps,
         "trials": args.trials, "action": args.action, "relative_reward": args.relative_reward,
         "validation_fraction": args.validation_fraction, "resume": args.resume,
-        "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, **weights.__dict__,
+        "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, "observation": args.observation,
+        "obs_version": data.obs_version, **weights.__dict__,
         **{f"base_{k}": v for k, v in tuned_base.model_dump(
             include={"base_size", "max_size", "min_recent", "compact_interval", "entropy_threshold", "gap_threshold",
                      "scaling_factor"}).items()},

@@ -119,8 +119,8 @@ def checkpoint_of(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ConfkvError(f"--resume: cannot read {path}: {err}") from None
-    for key in ("algo", "action", "mode"):
-        if state.get(key) != getattr(args, key):
+    for key in ("algo", "action", "mode", "observation"):
+        if state.get(key, "segment" if key == "observation" else None) != getattr(args, key):
             raise ConfkvError(f"--resume: {out} holds a run with --{key} {state.get(key)}, not {getattr(args, key)}")
     if state.get("timesteps", 0) >= args.timesteps:
         raise ConfkvError(f"--resume: the run in {out} already made {state['timesteps']} of {args.timesteps} "
@@ -194,7 +194,8 @@ def train_rl(
 
     def export(model: Any) -> None:
         export_sb3(model, args.action, policy_dir, data.base_policy, {"workload": args.workload, "model": args.model},
-                   space=data.knob_space() if args.action == "knobs" else None)  # fmt: skip
+                   space=data.knob_space() if args.action == "knobs" else None,
+                   obs_version=data.obs_version)  # fmt: skip
 
     def on_checkpoint(model: Any, best: Any) -> None:
         """The model as it is now and the best weights so far, for ``--resume`` (also after an interrupt)."""
@@ -203,7 +204,8 @@ def train_rl(
         model.save(out / f"{args.algo}_sb3.zip")
         if best is not None:
             torch.save(best[2], out / BEST_WEIGHTS)
-        state = {"algo": args.algo, "action": args.action, "mode": args.mode, "timesteps": int(model.num_timesteps),
+        state = {"algo": args.algo, "action": args.action, "mode": args.mode, "observation": args.observation,
+                 "timesteps": int(model.num_timesteps),
                  "target_timesteps": args.timesteps, "best_reward": None if best is None else best[0],
                  "best_updates": None if best is None else best[1], "run_id": args.run_id}  # fmt: skip
         (out / CHECKPOINT).write_text(json.dumps(state, indent=2))

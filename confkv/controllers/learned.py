@@ -15,6 +15,16 @@ policy behaves in ``confkv generate`` as it did in training. Observation, all in
  12   position: tokens so far / ``POSITION_SCALE``, clipped
  13   device pool use
 
+Layout 2 (``obs_version`` 2; ``confkv-tune train --observation history``) appends the recent history that
+``confkv-tune probe`` found informative where any signal predicts the gain of a larger budget (pass keys: the gap
+and top-1 trend; long generation: the entropy trend):
+
+ 14-16  entropy, gap and top-1: mean of the last four segments' means (this one included)
+ 17-19  their trend: 0.5 + this segment's mean - that recent mean (clipped)
+
+Layout 1 stays the default and every export records its layout, so policies exported before layout 2 load and
+run as they were trained.
+
 Actions. ``knobs`` (a ``Box(-1, 1, (5,))``): the dynamic rule's ``entropy_threshold``, ``gap_threshold``,
 ``scaling_factor``, ``base_size`` and ``max_size``, the space Optuna searches too (``KnobSpace``: bounds from the
 base policy, sizes in whole blocks, ``max_size`` never below ``base_size``). Each coordinate maps piecewise
@@ -54,13 +64,22 @@ from confkv.controllers.rules import DynamicController
 from confkv.errors import ConfkvError
 from confkv.plugins import CONTROLLERS
 
+#: Observation layouts: 1 = the 14 entries of the latest segment and context (the table above); 2 = those plus
+#: the recent history of the segment means (``HISTORY_NAMES``). An exported policy records its layout.
 OBS_VERSION = 1
+OBS_VERSIONS = (1, 2)
 OBS_DIM = 14
 #: The observation's entries by name, in order (the docstring's table): what an MLflow model's signature calls them.
 OBS_NAMES = (
     "entropy_mean", "entropy_min", "entropy_max", "gap_mean", "gap_min", "gap_max", "top1_mean", "top1_min",
     "top1_max", "uncertain_share", "budget", "resident_fraction", "position", "pool_use",
 )  # fmt: skip
+#: Layout 2's extra entries: what ``confkv-tune probe`` found informative (TUNING.md). ``*_recent`` is the mean of
+#: the last ``RECENT_SEGMENTS`` segments' means (the latest included); ``*_trend`` is 0.5 + (the latest segment's
+#: mean - that recent mean), clipped to [0, 1] (entropy in units of ``ENTROPY_SCALE`` as in entries 0-2): the
+#: probe's ``*_recent`` and ``*_trend`` features, computed the same way.
+HISTORY_NAMES = ("entropy_recent", "gap_recent", "top1_recent", "entropy_trend", "gap_trend", "top1_trend")
+RECENT_SEGMENTS = 4
 ENTROPY_SCALE = 12.0
 POSITION_SCALE = 8192.0
 #: policy.json format: 1 = three threshold knobs, linear mapping, lagged; 2 = ``KnobSpace`` + ``budget_rule``.
@@ -229,19 +248,60 @@ def replay_budget(start: float, signals: Iterable[StepSignals], knobs: Sequence[
     return budget
 
 
+def obs_names(version: int = OBS_VERSION) -> tuple[str, ...]:
+    """The entries of observation layout ``version``, in order."""
+    if version not in OBS_VERSIONS:
+        raise ConfkvError(f"unknown observation layout {version!r} (this confkv knows {OBS_VERSIONS})")
+    return OBS_NAMES + (HISTORY_NAMES if version == 2 else ())
+
+
+def obs_dim(version: int = OBS_VERSION) -> int:
+    return len(obs_names(version))
+
+
+SegmentMeans = tuple[float, float, float]
+
+
+def segment_means(signals: Sequence[StepSignals]) -> SegmentMeans:
+    """A segment's mean entropy (in units of ``ENTROPY_SCALE``), gap and top-1 probability: one history entry."""
+    if not signals:
+        return (0.0, 0.0, 0.0)
+    n = len(signals)
+    return (sum(s.entropy for s in signals) / n / ENTROPY_SCALE, sum(s.gap for s in signals) / n,
+            sum(s.top1_prob for s in signals) / n)  # fmt: skip
+
+
+def push_history(history: Sequence[SegmentMeans], signals: Sequence[StepSignals]) -> tuple[SegmentMeans, ...]:
+    """``history`` with the segment of ``signals`` appended, keeping the last ``RECENT_SEGMENTS``: what a decision
+    after that segment observes (layout 2)."""
+    return (*tuple(history)[-(RECENT_SEGMENTS - 1) :], segment_means(signals))
+
+
+def history_features(history: Sequence[SegmentMeans]) -> list[float]:
+    """Layout 2's extra entries from the recent segments' means (the latest last); zeros before any segment."""
+    if not history:
+        return [0.0] * len(HISTORY_NAMES)
+    recent = np.asarray(history[-RECENT_SEGMENTS:], dtype=np.float64)
+    mean = recent.mean(axis=0)
+    trend = 0.5 + (recent[-1] - mean)
+    return [*mean.tolist(), *trend.tolist()]
+
+
 def segment_observation(
     signals: list[StepSignals],
     budget: float,
     policy: CachePolicy,
     uncertain: int | None = None,
     budget_range: tuple[float, float] | None = None,
+    history: Sequence[SegmentMeans] | None = None,
 ) -> np.ndarray:
     """The observation after a segment; ``signals`` carry the context of the segment's last token.
 
     ``budget_range`` is what the budget is normalised over (default: ``policy``'s ``base_size``/``max_size``).
+    ``history`` (layout 2): the recent segments' means, this one last (``push_history``); None gives layout 1.
     """
     if not signals:
-        return np.zeros(OBS_DIM, dtype=np.float32)
+        return np.zeros(OBS_DIM if history is None else obs_dim(2), dtype=np.float32)
     ent = np.array([s.entropy for s in signals]) / ENTROPY_SCALE
     gap = np.array([s.gap for s in signals])
     top1 = np.array([s.top1_prob for s in signals])
@@ -260,6 +320,8 @@ def segment_observation(
         last.position / POSITION_SCALE,
         last.pool_usage,
     ]  # fmt: skip
+    if history is not None:
+        obs += history_features(history)
     return np.clip(np.nan_to_num(np.asarray(obs, dtype=np.float32)), 0.0, 1.0)
 
 
@@ -277,6 +339,8 @@ class MLPPolicy:
     meta: dict[str, Any] = field(default_factory=dict)
     space: KnobSpace | None = None
     budget_rule: str = "replay"
+    #: The observation layout the network reads (``OBS_VERSIONS``): 1 for every export before layout 2 existed.
+    obs_version: int = OBS_VERSION
 
     @property
     def out_dim(self) -> int:
@@ -320,8 +384,8 @@ class MLPPolicy:
         doc: dict[str, Any] = {
             "format": "confkv-learned-policy",
             "format_version": FORMAT_VERSION,
-            "obs_version": OBS_VERSION,
-            "obs_dim": OBS_DIM,
+            "obs_version": self.obs_version,
+            "obs_dim": obs_dim(self.obs_version),
             "action": self.action,
             "budget_rule": self.budget_rule,
             "budget_step": BUDGET_STEP,
@@ -352,8 +416,10 @@ class MLPPolicy:
             tensors = load_file(str(folder / "policy.safetensors"))
         except (OSError, ValueError) as err:
             raise ConfkvError(f"cannot load learned policy from {folder}: {err}") from None
-        if doc.get("format") != "confkv-learned-policy" or doc.get("obs_version") != OBS_VERSION:
-            raise ConfkvError(f"{folder} is not a confkv learned policy of observation version {OBS_VERSION}")
+        obs_version = doc.get("obs_version")
+        if doc.get("format") != "confkv-learned-policy" or obs_version not in OBS_VERSIONS:
+            raise ConfkvError(f"{folder} is not a confkv learned policy of an observation layout this confkv knows "
+                              f"({', '.join(map(str, OBS_VERSIONS))}; got {obs_version!r})")  # fmt: skip
         version = doc.get("format_version", 1)
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ConfkvError(f"{folder}/policy.json: format_version must be a positive integer (got {version!r})")
@@ -375,7 +441,7 @@ class MLPPolicy:
             raise ConfkvError(f"{folder}: unknown action {action!r} or budget rule {rule!r}")
         # checked here, not at the first decision inside an engine step: an activation this code does not apply
         # would run as none, and layers that do not chain from the observation fail on a tensor shape there
-        width = OBS_DIM
+        width = obs_dim(obs_version)
         for i, (w, b, activation) in enumerate(layers):
             if activation not in ("tanh", "relu", "none"):
                 raise ConfkvError(f"{folder}: layer {i} has activation {activation!r} (tanh, relu or none)")
@@ -384,7 +450,7 @@ class MLPPolicy:
                                   f"is {width} wide")  # fmt: skip
             width = w.shape[0]
         mlp = cls(layers=layers, action=action, meta={k: v for k, v in doc.items() if k in ("squash", "algo")},
-                  space=space, budget_rule=rule)  # fmt: skip
+                  space=space, budget_rule=rule, obs_version=obs_version)  # fmt: skip
         want = space.dim if space is not None else 3
         if mlp.out_dim != want:
             raise ConfkvError(f"{folder}: the network outputs {mlp.out_dim} values; its {action} action takes {want}")
@@ -399,6 +465,8 @@ class LearnedState(BudgetState):
     segment: tuple[StepSignals, ...] = ()
     start: float = 0.0  # the budget the current segment started from (the replay rule's origin)
     hold: bool = False  # budget actions keep the budget still between decisions
+    #: The recent segments' means (observation layout 2; ``push_history``), the latest last.
+    history: tuple[SegmentMeans, ...] = ()
 
 
 def apply_budget_action(budget: float, action: int, policy: CachePolicy) -> float:
@@ -460,7 +528,10 @@ class LearnedController(DynamicController):
         return new
 
     def decide(self, st: LearnedState) -> LearnedState:
-        obs = segment_observation(list(st.segment), st.budget, self.policy, budget_range=self.budget_range)
+        history = push_history(st.history, st.segment) if self.mlp.obs_version == 2 else None
+        obs = segment_observation(list(st.segment), st.budget, self.policy, budget_range=self.budget_range,
+                                  history=history)  # fmt: skip
+        st = replace(st, history=history or ())
         action = self.mlp.act(obs)
         if self.mlp.action == "budget":
             budget = apply_budget_action(st.budget, int(action), self.policy)
