@@ -15,7 +15,8 @@ from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from confkv.config import CachePolicy
-from confkv.controllers.learned import OBS_VERSION, KnobSpace, MLPPolicy
+from confkv.controllers.learned import KnobSpace, MLPPolicy
+from confkv.controllers.observation import OBS_VERSION
 
 
 def _linear_stack(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, str]]:

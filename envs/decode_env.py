@@ -23,7 +23,7 @@ import gymnasium as gym
 import numpy as np
 
 from confkv.controllers import BudgetState, StepSignals
-from confkv.controllers.learned import SegmentMeans, push_history, segment_observation
+from confkv.controllers.observation import SegmentMeans, push_history, segment_observation
 from confkv.engine.params import SamplingParams
 from confkv.engine.sequence import Sequence
 from envs.env import (

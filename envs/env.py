@@ -39,17 +39,8 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from confkv.config import CachePolicy
 from confkv.controllers import BudgetState, DynamicController, StepSignals
-from confkv.controllers.learned import (
-    OBS_VERSION,
-    KnobSpace,
-    SegmentMeans,
-    apply_budget_action,
-    full_knobs,
-    obs_dim,
-    push_history,
-    replay_budget,
-    segment_observation,
-)
+from confkv.controllers.learned import KnobSpace, apply_budget_action, full_knobs, replay_budget
+from confkv.controllers.observation import OBS_VERSION, SegmentMeans, obs_dim, push_history, segment_observation
 from confkv.errors import ConfkvError
 from confkv.scoring import ItemState, Scorer, ScoringSession
 from envs.episodes import Episode, TuneData

@@ -81,7 +81,7 @@ class TuneData:
     #: The policy whose size bounds the agents' knob space takes (None: ``base_policy``'s). Set when an agent is
     #: warm-started from a tuned policy: the space stays the one searched around the original base.
     bounds_of: CachePolicy | None = None
-    #: The observation layout the agents see (``confkv.controllers.learned.OBS_VERSIONS``; ``--observation``)
+    #: The observation layout the agents see (``confkv.controllers.observation.OBS_VERSIONS``; ``--observation``)
     obs_version: int = 1
 
     def knob_space(self) -> KnobSpace:

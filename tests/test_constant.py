@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from confkv.controllers.learned import OBS_DIM, MLPPolicy
+from confkv.controllers.learned import MLPPolicy
+from confkv.controllers.observation import OBS_DIM
 from envs.constant import median_knobs, own_constant, paired_margin
 from envs.episodes import default_base_policy
 from store.registry import Registry

@@ -16,13 +16,12 @@ import torch
 from confkv import LLM, SamplingParams
 from confkv.config import load_policy_file
 from confkv.controllers import StepSignals
-from confkv.controllers.learned import (
+from confkv.controllers.learned import LearnedController, MLPPolicy
+from confkv.controllers.observation import (
     ENTROPY_SCALE,
     HISTORY_NAMES,
     OBS_DIM,
     OBS_NAMES,
-    LearnedController,
-    MLPPolicy,
     history_features,
     obs_dim,
     obs_names,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from confkv.config import load_policy_file
-from confkv.controllers.learned import OBS_DIM, OBS_NAMES, MLPPolicy
+from confkv.controllers.learned import MLPPolicy
+from confkv.controllers.observation import OBS_DIM, OBS_NAMES
 from confkv.errors import ConfkvError
 from envs.episodes import default_base_policy
 from tuner.pyfunc import log_policy_model

@@ -25,7 +25,8 @@ import yaml
 from confkv import LLM, SamplingParams
 from confkv.cli import main as confkv_main
 from confkv.config import CachePolicy, load_policy_file
-from confkv.controllers.learned import OBS_DIM, MLPPolicy
+from confkv.controllers.learned import MLPPolicy
+from confkv.controllers.observation import OBS_DIM
 from confkv.errors import ConfkvError
 from envs.episodes import default_base_policy
 from store.artifacts import sha256_hex

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from confkv.config import CachePolicy
-from confkv.controllers.learned import OBS_DIM, MLPPolicy
+from confkv.controllers.learned import MLPPolicy
+from confkv.controllers.observation import OBS_DIM
 from confkv.server.middleware import json_too_deep
 from tests.server_proc import ServerProcess
 

@@ -17,7 +17,8 @@ import yaml
 
 from confkv.cli import main as confkv_main
 from confkv.config import CachePolicy, load_policy_file
-from confkv.controllers.learned import OBS_DIM, MLPPolicy
+from confkv.controllers.learned import MLPPolicy
+from confkv.controllers.observation import OBS_DIM
 from tuner.cli import main as tune_main
 from tuner.explain import lost_retrieval, reward_lines
 

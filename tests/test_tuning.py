@@ -17,7 +17,8 @@ from stable_baselines3.common.env_checker import check_env as sb3_check_env
 from agents.rule import RuleAgent
 from confkv import LLM, SamplingParams
 from confkv.config import load_policy_file
-from confkv.controllers.learned import OBS_DIM, OBS_NAMES, KnobSpace, MLPPolicy
+from confkv.controllers.learned import KnobSpace, MLPPolicy
+from confkv.controllers.observation import OBS_DIM, OBS_NAMES
 from confkv.errors import ConfkvError
 from envs.env import ConfKVEnv, ConfKVVecEnv, RewardWeights
 from envs.episodes import build_episodes, hold_out, scaled_sizes

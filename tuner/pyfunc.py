@@ -22,7 +22,8 @@ from mlflow.models.signature import ModelSignature
 from mlflow.types.schema import ColSpec, Schema
 
 from confkv.config import load_policy_file
-from confkv.controllers.learned import OBS_VERSION, MLPPolicy, obs_names
+from confkv.controllers.learned import MLPPolicy
+from confkv.controllers.observation import OBS_VERSION, obs_names
 from confkv.errors import ConfkvError
 
 MODEL_NAME = "policy_model"

@@ -24,7 +24,7 @@ from tuner.tracking import DEFAULT_TRACKING_URI
 from tuner.train_rl import checkpoint_of, preset_of, train_rl, warm_start
 
 DEFAULT_TRIALS = 24
-#: ``--observation``'s choices and the observation layouts they name (``confkv.controllers.learned.OBS_VERSIONS``).
+#: ``--observation``'s choices and the observation layouts they name (``confkv.controllers.observation.OBS_VERSIONS``).
 OBSERVATIONS = {"segment": 1, "history": 2}
 
 
