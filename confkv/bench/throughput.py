@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from confkv.bench.provenance import git_commit
-from confkv.bench.specs import baseline_policy, scaled_dynamic
+from confkv.bench.specs import FIXED_BASELINES, baseline_policy, scaled_dynamic
 from confkv.bench.streams import (
     SCENARIOS,
     StreamRequest,
@@ -51,7 +51,7 @@ from confkv.bench.streams import (
 )
 from confkv.bench.suite import row_name
 from confkv.bench.textmetrics import rouge_l
-from confkv.config import BUILTIN_POLICIES, CachePolicy
+from confkv.config import BUILTIN_POLICIES, MAX_TOKENS, CachePolicy
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
 from confkv.llm import LLM
@@ -223,15 +223,34 @@ def _quality(result: StreamResult, reference: StreamResult) -> dict[str, float]:
     return {"rougeL_vs_full": rouge_l(result.texts, reference.texts), "exact_match_vs_full": float(np.mean(same))}
 
 
+def sized_baseline(name: str, dynamic: CachePolicy) -> CachePolicy | None:
+    """``BASELINE@TOKENS`` (``h2o@192``): a fixed baseline at that many tokens, half of them recent, so a row can be
+    matched to a variable policy's measured memory rather than to ``dynamic``'s ceiling; None for a plain name."""
+    if "@" not in name:
+        return None
+    base, _, size = name.partition("@")
+    if base not in FIXED_BASELINES:
+        raise ConfkvError(f"{name!r}: a size goes with a fixed baseline ({', '.join(FIXED_BASELINES)}), as h2o@192")
+    if not size.isdigit() or not dynamic.block_size <= int(size) <= MAX_TOKENS:
+        raise ConfkvError(f"{name!r}: the size after @ is a whole number of tokens, at least {dynamic.block_size}")
+    return baseline_policy(dynamic, base, int(size))
+
+
 def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -> list[tuple[str, CachePolicy]]:
-    """The suite's policies by name (``dynamic`` at the suite's sizes, fixed ones at its ``max_size``) and files,
-    ``full`` first (added as the quality reference when no policy keeps everything)."""
+    """The suite's policies by name (``dynamic`` at the suite's sizes, fixed ones at its ``max_size`` or at the
+    size after ``@``) and files, ``full`` first (added as the quality reference when no policy keeps everything)."""
     dynamic = scaled_dynamic(spec.scale)
     out: list[tuple[str, CachePolicy]] = []
     names = list(dict.fromkeys(names))  # a name given twice is one row
     for name in names:
+        sized = sized_baseline(name, dynamic)
+        if sized is not None:
+            out.append((name, sized))
+            continue
         if name not in BUILTIN_POLICIES:
-            raise ConfkvError(f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)}")
+            raise ConfkvError(
+                f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)} (a fixed one sized: h2o@192)"
+            )
         if name == "full":
             out.append((name, CachePolicy(controller="full")))
         elif name == "dynamic":
