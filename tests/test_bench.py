@@ -417,3 +417,44 @@ def test_intervals_are_the_textbook_ones():
     lo, hi = bootstrap_mean(values)
     assert 0.2 <= lo < 0.5 < hi <= 0.8
     assert t_interval([1.0]) is None and bootstrap_mean([1.0]) is None and ratio_interval([1.0], b) is None
+
+
+def test_headline_assembles_throughput_and_fidelity_into_one_table(tmp_path, capsys):
+    """``benchmarks/headline.py`` joins a longgen throughput run (with repeats) and ``longgen_fidelity.py``'s JSON
+    by policy: every figure is the one its run measured, with its interval, ``full`` is the reference of both, and
+    a row only one of them measured (the fidelity's noise floor, here a fixed baseline) keeps the other's cells
+    empty. A missing file is one line and exit 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "tp"
+    args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--policies", "full,dynamic", "--scenarios",
+            "longgen", "--requests", "3", "--repeats", "2", "--ceiling", "2", "--no-hf", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    fid = tmp_path / "fidelity.json"
+    run = [sys.executable, str(root / "benchmarks/longgen_fidelity.py"), "--model", "tiny-random", "--requests", "2",
+           "--output-tokens", "8,12", "--policies", "dynamic,h2o@32", "--json"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    fid.write_text(subprocess.run(run, capture_output=True, text=True, check=True, env=env, cwd=root).stdout)
+    head = [sys.executable, str(root / "benchmarks/headline.py"), "--throughput", str(out / "results.json"),
+            "--fidelity", str(fid)]  # fmt: skip
+    table = json.loads(subprocess.run([*head, "--json"], capture_output=True, text=True, check=True, cwd=root).stdout)
+    rows = table["rows"]
+    assert list(rows) == ["full", "dynamic", "full:2x", "h2o@32"]
+    tp = json.loads((out / "results.json").read_text())["longgen"]["policies"]
+    fidelity = json.loads(fid.read_text().splitlines()[-1])["policies"]
+    dyn = rows["dynamic"]
+    assert dyn["vs_full"][0] == tp["dynamic"]["requests_per_s_vs_full"]
+    assert dyn["requests_per_s"] == [tp["dynamic"]["requests_per_s"], *tp["dynamic"]["requests_per_s_ci"]]
+    assert dyn["kv_share"] == [tp["dynamic"]["kv_fraction_mean"], *tp["dynamic"]["kv_fraction_ci"]]
+    assert dyn["kl"] == fidelity["dynamic"]["kl"] and dyn["bleu4_vs_full"] == fidelity["dynamic"]["bleu4_vs_full"]
+    assert rows["full"]["reference_of_speed"] and rows["full"]["kl"][0] == 0.0
+    assert "requests_per_s" not in rows["h2o@32"] and rows["h2o@32"]["kl"] == fidelity["h2o@32"]["kl"]
+    md = subprocess.run(head, capture_output=True, text=True, check=True, cwd=root).stdout
+    assert "| `full` |" in md and "1.00x (reference)" in md and f"| `dynamic` | {dyn['kv_share'][0]:.2f} [" in md
+    bad = subprocess.run([*head[:2], "--fidelity", str(tmp_path / "none.json")], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not a file" in bad.stderr
