@@ -76,7 +76,8 @@ def assemble(throughputs: list[dict[str, Any]], fidelities: list[dict[str, Any]]
                 row["kv_share_scoring"] = q["kv_fraction"]
     if REFERENCE in rows and fidelities:
         rows[REFERENCE].update({"kl": [0.0, None, None], "top1_agreement": [1.0, None, None],
-                                "bleu4_vs_full": [100.0, None, None], "rougeL_vs_full": [1.0, None, None]})  # fmt: skip
+                                "bleu4_vs_full": [100.0, None, None], "rougeL_vs_full": [1.0, None, None],
+                                "kv_share_scoring": [1.0, None, None]})  # fmt: skip
     return {"rows": rows, "speed_references": references,
             "fidelity_requests": [f.get("requests") for f in fidelities]}  # fmt: skip
 
