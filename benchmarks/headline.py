@@ -51,7 +51,7 @@ def assemble(throughputs: list[dict[str, Any]], fidelities: list[dict[str, Any]]
     """The table's rows (throughput's names first, in their order, then fidelity-only rows) and its caption facts."""
     rows: dict[str, dict[str, Any]] = {}
     references = []
-    for results in throughputs:
+    for run, results in enumerate(throughputs, 1):
         sec = _section(results, "throughput")
         ref = sec.get("speed_reference", REFERENCE)
         references.append({"row": ref, "requests_per_s": sec["policies"][ref]["requests_per_s"],
@@ -67,6 +67,7 @@ def assemble(throughputs: list[dict[str, Any]], fidelities: list[dict[str, Any]]
                 "vs_full": [m["requests_per_s_vs_full"], *(m.get("requests_per_s_vs_full_ci") or [None, None])],
                 "peak_pool": m.get("peak_pool_usage"),
                 "reference_of_speed": name == ref,
+                "run": run,
             })  # fmt: skip
     for results in fidelities:
         for name, q in results["policies"].items():
@@ -103,6 +104,8 @@ def markdown(table: dict[str, Any]) -> str:
             ratio = "1.00x (reference)"
         elif ratio:
             ratio = ratio.replace(" [", "x [", 1) if "[" in ratio else ratio + "x"
+            if len(table["speed_references"]) > 1:
+                ratio += f" (run {r['run']})"
         lines.append(
             f"| `{name}` | {_cell(r.get('kv_share'), '.2f')} | {_cell(r.get('requests_per_s'), '.3f')} | {ratio} | "
             f"{_cell(r.get('kv_share_scoring'), '.3f')} | {_cell(r.get('kl'), '.4f')} | "
@@ -110,9 +113,9 @@ def markdown(table: dict[str, Any]) -> str:
             f"{_cell(r.get('bleu4_vs_full'), '.1f')} | {_cell(r.get('rougeL_vs_full'), '.3f')} |"
         )
     refs = "; ".join(
-        f"`{ref['row']}` {_cell([ref['requests_per_s'], *(ref['requests_per_s_ci'] or [None, None])], '.3f')} req/s "
-        f"({ref['repeats']} runs, commit `{ref['commit']}`)"
-        for ref in table["speed_references"]
+        f"run {i}: `{ref['row']}` {_cell([ref['requests_per_s'], *(ref['requests_per_s_ci'] or [None, None])], '.3f')}"
+        f" req/s ({ref['repeats']} runs, commit `{ref['commit']}`)"
+        for i, ref in enumerate(table["speed_references"], 1)
     )
     if refs:
         lines += ["", f"Requests/s against the on-demand `full` of the same run: {refs}."]
