@@ -213,6 +213,8 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     if any(v is not None and not (math.isfinite(v) and v > 0) for v in changes.values()):
         raise ConfkvError("--arrival-rate, --requests and --max-tokens must be positive numbers")
     changes = {k: v for k, v in changes.items() if v is not None}
+    if args.repeats < 1:
+        raise ConfkvError("--repeats takes a whole number of at least 1 (runs of every row)")
     if args.ceiling is not None and args.ceiling < 2:
         raise ConfkvError("--ceiling takes a whole number of at least 2 (the pool's multiple)")
     if args.output_tokens is not None:
@@ -220,7 +222,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     out_folder(args.out)
     results = run_throughput(
         args.model, policies, policy_files=args.policy_file, scenarios=scenarios, changes=changes, ceiling=args.ceiling,
-        hf=not args.no_hf,
+        repeats=args.repeats, hf=not args.no_hf,
         device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed, admissions=admissions,
         kv_cache_dtype=args.kv_cache_dtype, host_kv_dtype=args.host_kv_dtype,
         log=lambda line: print(line, file=sys.stderr),

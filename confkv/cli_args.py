@@ -196,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="throughput suite: also run full with a pool N times larger (row full:Nx), the most any policy could give",
     )  # fmt: skip
     bench.add_argument(
+        "--repeats", type=int, default=1,
+        help="throughput suite: run every row this many times, round-robin; requests/s is their mean with a 95%% "
+        "interval (Student's t over the runs)",
+    )  # fmt: skip
+    bench.add_argument(
         "--max-tokens", type=int, default=None,
         help="throughput suite: every request generates this many tokens (prompts and pool as drawn); 1 times prompt "
         "reading alone",

@@ -361,3 +361,100 @@ def test_bench_longgen_suite_writes_curves_and_summary(tmp_path, capsys):
                    if lo is not None), metric  # fmt: skip
     assert "| `dynamic` |" in (out / "report.md").read_text()
     assert main(["bench", "--model", "tiny-random", "--suite", "longgen", "--runs", "0", "--out", str(out)]) == 2
+
+
+def test_throughput_repeats_give_every_row_intervals_and_a_sized_baseline_is_a_row(tmp_path, capsys):
+    """``--repeats 2``: each row runs twice with the same answers; requests/s is the mean of the two runs with a t
+    interval around it, the ratio to on-demand ``full`` has a Bonferroni interval (none for ``full`` itself) and
+    the KV share a bootstrap interval over requests. ``h2o@64`` is h2o at 64 tokens, half of them recent."""
+    out = tmp_path / "rep"
+    args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--policies", "full,dynamic,h2o@64",
+            "--scenarios", "longgen", "--repeats", "2", "--no-hf", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    rows = results["longgen"]["policies"]
+    assert list(rows) == ["full", "dynamic", "h2o@64"] and results["longgen"]["repeats"] == 2
+    h2o = results["policy_settings"]["h2o@64"]
+    assert (h2o["controller"], h2o["max_size"], h2o["min_recent"]) == ("h2o", 64, 32)
+    for name, m in rows.items():
+        runs = m["requests_per_s_runs"]
+        assert len(runs) == 2 and m["same_answers_every_run"], name
+        assert abs(m["requests_per_s"] - sum(runs) / 2) < 1e-12
+        low, high = m["requests_per_s_ci"]
+        assert low < min(runs) <= max(runs) < high, name  # two runs: t(1) puts the interval far outside both
+        kv_low, kv_high = m["kv_fraction_ci"]
+        assert kv_low <= m["kv_fraction_mean"] <= kv_high, name
+    assert rows["full"]["requests_per_s_vs_full_ci"] is None and rows["full"]["kv_fraction_ci"] == [1.0, 1.0]
+    from confkv.bench.intervals import ratio_interval
+
+    expected = ratio_interval(rows["dynamic"]["requests_per_s_runs"], rows["full"]["requests_per_s_runs"])
+    assert rows["dynamic"]["requests_per_s_vs_full_ci"] == (None if expected is None else list(expected))
+    assert rows["h2o@64"]["kv_fraction_mean"] < 1.0
+    report = (out / "report.md").read_text()
+    assert "the mean of 2 runs per row" in report
+    assert f"| `dynamic` | {rows['dynamic']['requests_per_s']:.3f} [" in report
+    bad = ["bench", "--model", "tiny-random", "--suite", "throughput", "--scenarios", "longgen", "--no-hf"]
+    assert main([*bad, "--out", str(out), "--repeats", "0"]) == 2
+    assert "--repeats takes" in capsys.readouterr().err
+    assert main([*bad, "--out", str(tmp_path / "bad"), "--policies", "full,dynamic@64"]) == 2
+    assert "a size goes with a fixed baseline" in capsys.readouterr().err
+
+
+def test_intervals_are_the_textbook_ones():
+    """Student's t for three runs (mean 2, sd 1: half-width t(0.975, 2) / sqrt(3) = 2.484), the ratio bounded by
+    the two 97.5% intervals, a bootstrap interval inside the data's range; none from a single value."""
+    from confkv.bench.intervals import bootstrap_mean, ratio_interval, t_interval
+
+    low, high = t_interval([1.0, 2.0, 3.0])
+    assert abs(low - (2 - 2.4841)) < 1e-3 and abs(high - (2 + 2.4841)) < 1e-3
+    a, b = [2.0, 2.1, 1.9], [1.0, 1.05, 0.95]
+    (la, ha), (lb, hb) = t_interval(a, 0.975), t_interval(b, 0.975)
+    assert ratio_interval(a, b) == (la / hb, ha / lb)
+    assert la / hb < (sum(a) / 3) / (sum(b) / 3) < ha / lb
+    assert ratio_interval(a, [1.0, 2.0, 3.0]) is None  # the denominator's interval reaches below zero
+    values = [0.2, 0.4, 0.6, 0.8]
+    lo, hi = bootstrap_mean(values)
+    assert 0.2 <= lo < 0.5 < hi <= 0.8
+    assert t_interval([1.0]) is None and bootstrap_mean([1.0]) is None and ratio_interval([1.0], b) is None
+
+
+def test_headline_assembles_throughput_and_fidelity_into_one_table(tmp_path, capsys):
+    """``benchmarks/headline.py`` joins a longgen throughput run (with repeats) and ``longgen_fidelity.py``'s JSON
+    by policy: every figure is the one its run measured, with its interval, ``full`` is the reference of both, and
+    a row only one of them measured (the fidelity's noise floor, here a fixed baseline) keeps the other's cells
+    empty. A missing file is one line and exit 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "tp"
+    args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--policies", "full,dynamic", "--scenarios",
+            "longgen", "--requests", "3", "--repeats", "2", "--ceiling", "2", "--no-hf", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    fid = tmp_path / "fidelity.json"
+    run = [sys.executable, str(root / "benchmarks/longgen_fidelity.py"), "--model", "tiny-random", "--requests", "2",
+           "--output-tokens", "8,12", "--policies", "dynamic,h2o@32", "--json"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    fid.write_text(subprocess.run(run, capture_output=True, text=True, check=True, env=env, cwd=root).stdout)
+    head = [sys.executable, str(root / "benchmarks/headline.py"), "--throughput", str(out / "results.json"),
+            "--fidelity", str(fid)]  # fmt: skip
+    table = json.loads(subprocess.run([*head, "--json"], capture_output=True, text=True, check=True, cwd=root).stdout)
+    rows = table["rows"]
+    assert list(rows) == ["full", "dynamic", "full:2x", "h2o@32"]
+    tp = json.loads((out / "results.json").read_text())["longgen"]["policies"]
+    fidelity = json.loads(fid.read_text().splitlines()[-1])["policies"]
+    dyn = rows["dynamic"]
+    assert dyn["vs_full"][0] == tp["dynamic"]["requests_per_s_vs_full"]
+    assert dyn["requests_per_s"] == [tp["dynamic"]["requests_per_s"], *tp["dynamic"]["requests_per_s_ci"]]
+    assert dyn["kv_share"] == [tp["dynamic"]["kv_fraction_mean"], *tp["dynamic"]["kv_fraction_ci"]]
+    assert dyn["kl"] == fidelity["dynamic"]["kl"] and dyn["bleu4_vs_full"] == fidelity["dynamic"]["bleu4_vs_full"]
+    assert rows["full"]["reference_of_speed"] and rows["full"]["kl"][0] == 0.0
+    assert "requests_per_s" not in rows["h2o@32"] and rows["h2o@32"]["kl"] == fidelity["h2o@32"]["kl"]
+    md = subprocess.run(head, capture_output=True, text=True, check=True, cwd=root).stdout
+    assert "| `full` |" in md and "1.00x (reference)" in md and f"| `dynamic` | {dyn['kv_share'][0]:.2f} [" in md
+    bad = subprocess.run([*head[:2], "--fidelity", str(tmp_path / "none.json")], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not a file" in bad.stderr

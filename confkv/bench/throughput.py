@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from confkv.bench.intervals import bootstrap_mean, ratio_interval, t_interval
 from confkv.bench.provenance import git_commit
-from confkv.bench.specs import baseline_policy, scaled_dynamic
+from confkv.bench.specs import FIXED_BASELINES, baseline_policy, scaled_dynamic
 from confkv.bench.streams import (
     SCENARIOS,
     StreamRequest,
@@ -51,7 +52,7 @@ from confkv.bench.streams import (
 )
 from confkv.bench.suite import row_name
 from confkv.bench.textmetrics import rouge_l
-from confkv.config import BUILTIN_POLICIES, CachePolicy
+from confkv.config import BUILTIN_POLICIES, MAX_TOKENS, CachePolicy
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
 from confkv.llm import LLM
@@ -138,6 +139,7 @@ def run_engine_stream(llm: LLM, requests: list[StreamRequest]) -> StreamResult:
         "breaker_trips": stats["breaker_trips"],
         "peak_pool_usage": peak_usage,
         "kv_fraction_mean": float(np.mean(kv_fraction)),
+        "kv_fraction_per_request": [float(f) for f in kv_fraction],
         "pool_blocks": stats["pool_blocks"],
         "recalled_blocks": stats["recalled_blocks"],
     }
@@ -223,15 +225,34 @@ def _quality(result: StreamResult, reference: StreamResult) -> dict[str, float]:
     return {"rougeL_vs_full": rouge_l(result.texts, reference.texts), "exact_match_vs_full": float(np.mean(same))}
 
 
+def sized_baseline(name: str, dynamic: CachePolicy) -> CachePolicy | None:
+    """``BASELINE@TOKENS`` (``h2o@192``): a fixed baseline at that many tokens, half of them recent, so a row can be
+    matched to a variable policy's measured memory rather than to ``dynamic``'s ceiling; None for a plain name."""
+    if "@" not in name:
+        return None
+    base, _, size = name.partition("@")
+    if base not in FIXED_BASELINES:
+        raise ConfkvError(f"{name!r}: a size goes with a fixed baseline ({', '.join(FIXED_BASELINES)}), as h2o@192")
+    if not size.isdigit() or not dynamic.block_size <= int(size) <= MAX_TOKENS:
+        raise ConfkvError(f"{name!r}: the size after @ is a whole number of tokens, at least {dynamic.block_size}")
+    return baseline_policy(dynamic, base, int(size))
+
+
 def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -> list[tuple[str, CachePolicy]]:
-    """The suite's policies by name (``dynamic`` at the suite's sizes, fixed ones at its ``max_size``) and files,
-    ``full`` first (added as the quality reference when no policy keeps everything)."""
+    """The suite's policies by name (``dynamic`` at the suite's sizes, fixed ones at its ``max_size`` or at the
+    size after ``@``) and files, ``full`` first (added as the quality reference when no policy keeps everything)."""
     dynamic = scaled_dynamic(spec.scale)
     out: list[tuple[str, CachePolicy]] = []
     names = list(dict.fromkeys(names))  # a name given twice is one row
     for name in names:
+        sized = sized_baseline(name, dynamic)
+        if sized is not None:
+            out.append((name, sized))
+            continue
         if name not in BUILTIN_POLICIES:
-            raise ConfkvError(f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)}")
+            raise ConfkvError(
+                f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)} (a fixed one sized: h2o@192)"
+            )
         if name == "full":
             out.append((name, CachePolicy(controller="full")))
         elif name == "dynamic":
@@ -244,6 +265,24 @@ def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputS
         out.insert(0, ("full", CachePolicy(controller="full")))  # the quality reference
     out.sort(key=lambda p: p[1].controller != "full")
     return out
+
+
+def _over_runs(runs: list[StreamResult], full_rates: list[float], is_reference: bool) -> dict[str, Any]:
+    """A row's rates over its repeated runs (means, per-run values, 95% intervals), its requests/s against the
+    reference's, and its resident KV share's interval over the first run's requests (``intervals.py``)."""
+    rates = [r.metrics["requests_per_s"] for r in runs]
+    tokens = [r.metrics["output_tokens_per_s"] for r in runs]
+    same = all(r.token_ids == runs[0].token_ids for r in runs[1:])
+    return {
+        "requests_per_s": float(np.mean(rates)),
+        "output_tokens_per_s": float(np.mean(tokens)),
+        "requests_per_s_runs": rates,
+        "requests_per_s_ci": t_interval(rates),
+        "requests_per_s_vs_full": float(np.mean(rates)) / float(np.mean(full_rates)),
+        "requests_per_s_vs_full_ci": None if is_reference else ratio_interval(rates, full_rates),
+        "kv_fraction_ci": bootstrap_mean(runs[0].metrics["kv_fraction_per_request"]),
+        "same_answers_every_run": same,
+    }
 
 
 Row = tuple[str, CachePolicy, str, int]  # name, policy, admission mode, pool size as a multiple of the stream's
@@ -291,6 +330,7 @@ def run_throughput(
     admissions: tuple[str, ...] = ("on_demand",),
     changes: dict[str, Any] | None = None,
     ceiling: int | None = None,
+    repeats: int = 1,
     hf: bool = True,
     device: str | None = None,
     dtype: str = "auto",
@@ -304,7 +344,11 @@ def run_throughput(
     ``longgen_spec`` size the two streams (default: ``default_spec``), and ``changes`` (spec fields) are applied to
     both. ``ceiling`` adds ``full`` with a pool that many times larger. Every engine stores its KV at
     ``kv_cache_dtype`` in a pool of the same bytes (sized for ``full`` at the model's dtype), so a quantised pool
-    shows what its extra tokens buy in requests served."""
+    shows what its extra tokens buy in requests served.
+
+    ``repeats`` runs every row that many times, round-robin (each repeat runs all rows once, so a slow spell of
+    the machine falls on every row alike): requests/s and output tokens/s are then the mean over the runs, with
+    95% intervals (``intervals.py``); the other figures (latencies, preemptions, answers) are the first run's."""
     t_start = time.perf_counter()
     loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, seed=seed)
     device_type = next(loaded.model.parameters()).device.type
@@ -334,7 +378,7 @@ def run_throughput(
         "policy_settings": {name: p.model_dump(mode="json") for name, p, _, _ in first["rows"]},
     }
     traces: dict[str, dict[str, list]] = {}
-    runs = sum(len(streams[SCENARIOS[s]]["rows"]) + (1 if hf else 0) for s in scenarios)
+    runs = sum(repeats * len(streams[SCENARIOS[s]]["rows"]) + (1 if hf else 0) for s in scenarios)
     with stage(f"throughput on {model}", total=runs, unit="runs") as progress:
         for scenario in scenarios:
             st = streams[SCENARIOS[scenario]]
@@ -342,28 +386,32 @@ def run_throughput(
             poisson = scenario.endswith("poisson")
             requests = with_poisson_arrivals(base, sp.arrival_rate, seed) if poisson else base
             results: dict[str, StreamResult] = {}
-            for name, policy, mode, factor in st["rows"]:
-                t0 = time.perf_counter()
-                llm = LLM(model, policy, loaded=loaded, kv_cache_memory=factor * pool_bytes,
-                          max_batch_size=sp.max_batch_size, max_num_batched_tokens=sp.max_num_batched_tokens,
-                          seed=seed, admission=mode, kv_cache_dtype=kv_cache_dtype,
-                          host_kv_dtype=host_kv_dtype)  # fmt: skip
-                progress.set_note(f"{scenario} {name}")
-                results[name] = run_engine_stream(llm, requests)
-                progress.update(1)
-                m = results[name].metrics
-                log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
-                    f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s, preemptions "
-                    f"{m['preemptions']} ({time.perf_counter() - t0:.0f}s)")  # fmt: skip
+            runs_of: dict[str, list[StreamResult]] = {name: [] for name, _, _, _ in st["rows"]}
+            for rep in range(repeats):
+                for name, policy, mode, factor in st["rows"]:
+                    t0 = time.perf_counter()
+                    llm = LLM(model, policy, loaded=loaded, kv_cache_memory=factor * pool_bytes,
+                              max_batch_size=sp.max_batch_size, max_num_batched_tokens=sp.max_num_batched_tokens,
+                              seed=seed, admission=mode, kv_cache_dtype=kv_cache_dtype,
+                              host_kv_dtype=host_kv_dtype)  # fmt: skip
+                    progress.set_note(f"{scenario} {name}" + (f" (run {rep + 1}/{repeats})" if repeats > 1 else ""))
+                    runs_of[name].append(run_engine_stream(llm, requests))
+                    results.setdefault(name, runs_of[name][0])
+                    progress.update(1)
+                    m = runs_of[name][-1].metrics
+                    log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
+                        f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s, preemptions "
+                        f"{m['preemptions']} ({time.perf_counter() - t0:.0f}s)")  # fmt: skip
             quality_ref, speed_ref = _reference_rows(st["rows"])
             reference = results[quality_ref]
-            full_rps = results[speed_ref].metrics["requests_per_s"]
-            section: dict[str, Any] = {"policies": {}, "quality_reference": quality_ref, "speed_reference": speed_ref}
+            full_rates = [r.metrics["requests_per_s"] for r in runs_of[speed_ref]]
+            section: dict[str, Any] = {"policies": {}, "quality_reference": quality_ref, "speed_reference": speed_ref,
+                                       "repeats": repeats}  # fmt: skip
             for name, result in results.items():
                 section["policies"][name] = {
                     **result.metrics,
                     **_quality(result, reference),
-                    "requests_per_s_vs_full": result.metrics["requests_per_s"] / full_rps,
+                    **_over_runs(runs_of[name], full_rates, name == speed_ref),
                 }
             if hf:
                 t0 = time.perf_counter()

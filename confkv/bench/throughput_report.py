@@ -31,6 +31,24 @@ def _fmt(v: Any, spec: str) -> str:
     return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
 
 
+def _ci(bounds: list[float] | None, spec: str, scale: float = 1.0) -> str:
+    """`` [low, high]`` after a figure when it has an interval, nothing otherwise."""
+    return "" if not bounds else f" [{format(scale * bounds[0], spec)}, {format(scale * bounds[1], spec)}]"
+
+
+def _interval_line(sec: dict[str, Any]) -> str:
+    """How the section's intervals were made (``intervals.py``)."""
+    kv = "KV %: 95% bootstrap interval over the requests (1,000 resamples)"
+    n = sec.get("repeats", 1)
+    if n < 2:
+        return f"One run per row (no interval on requests/s: `--repeats N` gives one); {kv}."
+    return (
+        f"Requests/s: the mean of {n} runs per row (round-robin) with its 95% Student's t interval; vs full: bounded "
+        f"by the two means' 97.5% intervals (Bonferroni, at least 95% together); {kv}; the other columns are the "
+        f"first run's."
+    )
+
+
 def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """``results.json``, ``report.md`` and two plots (requests/s and TTFT by policy; running sequences over time)."""
     import matplotlib
@@ -59,6 +77,7 @@ def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dic
             lines += [_stream_line(sec["settings"]) + ".", ""]
         if sec.get("speed_reference", "full") != "full":
             lines += [f"vs full: against `{sec['speed_reference']}`; quality against `{sec['quality_reference']}`.", ""]
+        lines += [_interval_line(sec), ""]
         lines += [
                   "| policy | req/s | vs full | out tok/s | mean running | TTFT p50 s | TTFT p99 s | latency p50 s | "
                   "latency p99 s | preemptions | peak pool % | KV % | ROUGE-L vs full | exact vs full |",
@@ -72,12 +91,15 @@ def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dic
             peak = m.get("peak_pool_usage")
             kvf = m.get("kv_fraction_mean")
             lines.append(
-                f"| `{name}` | {m['requests_per_s']:.3f} | {_fmt(ratio, '.2f')}x | {m['output_tokens_per_s']:.1f} | "
+                f"| `{name}` | {m['requests_per_s']:.3f}{_ci(m.get('requests_per_s_ci'), '.3f')} | "
+                f"{_fmt(ratio, '.2f')}x{_ci(m.get('requests_per_s_vs_full_ci'), '.2f')} | "
+                f"{m['output_tokens_per_s']:.1f} | "
                 f"{_fmt(m.get('mean_running'), '.1f')} | {_fmt(m['ttft_p50_s'], '.1f')} | "
                 f"{_fmt(m['ttft_p99_s'], '.1f')} | {_fmt(m['latency_p50_s'], '.1f')} | "
                 f"{_fmt(m['latency_p99_s'], '.1f')} | {_fmt(m.get('preemptions'), 'd')} | "
                 f"{_fmt(None if peak is None else 100 * peak, '.0f')} | "
-                f"{_fmt(None if kvf is None else 100 * kvf, '.0f')} | {_fmt(m.get('rougeL_vs_full'), '.3f')} | "
+                f"{_fmt(None if kvf is None else 100 * kvf, '.0f')}{_ci(m.get('kv_fraction_ci'), '.0f', 100)} | "
+                f"{_fmt(m.get('rougeL_vs_full'), '.3f')} | "
                 f"{_fmt(m.get('exact_match_vs_full'), '.2f')} |"
             )
     lines += ["", f"![requests/s and TTFT]({paths['rates'].name})", ""]
