@@ -23,14 +23,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="how the KV pool stores K and V: auto (the model's dtype), int8, fp8 (e4m3) or int4, quantised per "
-        "token and KV head (default: auto)",
+        help="how the KV pool stores K and V: auto (the model's dtype), int8, fp8 (e4m3) or int4, quantised as "
+        "written (int8 and fp8 per token and KV head; int4 keys per channel within a block, values per token in "
+        "groups of 32) (default: auto)",
     )
     p.add_argument(
         "--host-kv-dtype",
         default=None,
-        help="how the host tier and session records store K and V, when more compact than the pool: auto, int8, "
-        "fp8 or int4 (default: as --kv-cache-dtype)",
+        help="how the host tier and session records store K and V, more compact than the pool (a less compact "
+        "form is refused): auto, int8, fp8 or int4 (default: as --kv-cache-dtype)",
     )
     p.add_argument(
         "--cache-dir", default=None, help="converted-model cache (default: $CONFKV_CACHE or ~/.cache/confkv)"

@@ -238,3 +238,36 @@ def test_int4_keys_per_channel_need_a_grid_that_fits_the_block() -> None:
         BlockPool(num_layers=1, num_kv_heads=1, head_dim=6, block_size=16, num_blocks=2, dtype=torch.float32,
                   device="cpu", kv_cache_dtype="int4")  # fmt: skip
     assert "\n" not in str(err.value)
+
+
+def test_a_partly_filled_block_converted_to_int4_keys_keeps_its_grid_over_written_rows() -> None:
+    """A sequence's last block goes to an int4 host tier with its empty rows (zeros) left out of the channel grid:
+    the same bytes as the pool's own encoding of the open block, each written row within its own step."""
+    from confkv.kv.quant import KVFormat
+
+    x = key_blocks()[:1].clone()  # [1 block, 16, 4, 64]
+    x[:, 5:] = 0.0  # five rows written; the rest is what a zeroed block holds
+    auto, int4 = (KVFormat(name, 64, 16, torch.float32) for name in ("auto", "int4"))
+    filled = torch.tensor([5])
+    k, _ = auto.convert_to(int4, x, x, filled)
+    assert torch.equal(k, ChannelKeyCodec(64, 16).encode(x, filled))
+    got, part = int4.decode_k(k, torch.float32)[0, :5], x[0, :5]
+    assert bool(((got - part).abs() <= (part.amax(0) - part.amin(0)) * (0.5 / 15 + 2e-3) + 1e-6).all())
+
+
+def test_a_block_cut_mid_way_takes_its_grid_over_the_rows_kept() -> None:
+    """A session cut inside an open int4 block (its next prompt departs there) and written on ends as the bytes of
+    a block that only ever held the kept rows and the new ones: the cut rows leave the channel grid."""
+    geometry = {"num_layers": 1, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}
+    pool = BlockPool(**geometry, num_blocks=4, dtype=torch.float32, device="cpu", kv_cache_dtype="int4")
+    x, y = key_blocks()[0], key_blocks(seed=1)[0] * 3.0
+    cut, fresh = pool.allocate(1), pool.allocate(1)
+    for t in range(10):
+        pool.store(0, pool.slots_of(cut)[t : t + 1], x[t : t + 1], x[t : t + 1])
+    pool.forget_from(cut[0], 5)
+    for t in range(5):
+        pool.store(0, pool.slots_of(fresh)[t : t + 1], x[t : t + 1], x[t : t + 1])
+    for t in (5, 6):
+        for block in (cut, fresh):
+            pool.store(0, pool.slots_of(block)[t : t + 1], y[t : t + 1], y[t : t + 1])
+    assert torch.equal(pool.k[:, pool.slots_of(cut)[:7]], pool.k[:, pool.slots_of(fresh)[:7]])

@@ -124,3 +124,28 @@ def test_a_bad_host_kv_dtype_is_a_one_line_error():
     with pytest.raises(ConfkvError, match="host_kv_dtype") as err:
         _llm("auto", host_kv_dtype="int3")
     assert "\n" not in str(err.value)
+
+
+def test_a_host_kv_dtype_less_compact_than_the_pool_is_refused():
+    with pytest.raises(ConfkvError, match="less compact") as err:
+        _llm("int8", host_kv_dtype="auto")
+    assert "\n" not in str(err.value)
+
+
+def test_a_preempted_sequence_swaps_when_the_host_has_room_in_its_own_form():
+    """Room on the host tier is counted in the host's form: a float32 pool with host int8 swaps a preempted
+    sequence out into exactly its int8 bytes (where float32 blocks would not fit)."""
+    from confkv.engine.params import SamplingParams
+
+    llm = _llm("auto", host_kv_dtype="int8", host_cache_memory=2**20)
+    engine = llm.engine
+    engine.add_request("a", "Tell me a long story about the sea and the fish that live in it.",
+                       SamplingParams(max_tokens=24, temperature=0.0))  # fmt: skip
+    for _ in range(8):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    blocks = len(seq.kv.table.resident_indices())
+    per_block = engine.manager.host_bytes_per_block
+    assert blocks > 0 and per_block * 3 < engine.pool.bytes_per_block  # int8 rows against float32 ones
+    engine.host.capacity_bytes = blocks * per_block
+    assert engine.scheduler._swap_out(seq) and engine.host.used_bytes == blocks * per_block

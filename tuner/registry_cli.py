@@ -146,15 +146,30 @@ def _log_model_on_run(run_id: str, tracking_uri: str | None, folder: Path, ref: 
 
     mlflow.set_tracking_uri(tracking_uri or DEFAULT_TRACKING_URI)
     client = mlflow.MlflowClient()
-    try:
-        before = client.get_run(run_id).info
-        with mlflow.start_run(run_id=run_id):
-            uri = log_policy_model(folder, ref)
-        client.set_terminated(run_id, status=before.status, end_time=before.end_time)
-    except Exception as err:  # MLflow raises several types; the registry version is already there
+
+    def warn(err: Exception) -> None:
         print(f"confkv-tune: warning: {ref} was registered but its MLflow model was not logged on run {run_id}: "
               f"{str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)  # fmt: skip
+
+    try:
+        before = client.get_run(run_id).info
+    except Exception as err:  # MLflow raises several types; the registry version is already there
+        warn(err)
         return
+    try:
+        with mlflow.start_run(run_id=run_id):
+            uri = log_policy_model(folder, ref)
+    except Exception as err:
+        warn(err)
+        return
+    finally:  # a failed log_model leaves the run FAILED, a reopened one FINISHED: either way, put its status back
+        try:
+            if before.status == "RUNNING":
+                client.update_run(run_id, status="RUNNING")
+            else:
+                client.set_terminated(run_id, status=before.status, end_time=before.end_time)
+        except Exception as err:
+            warn(err)
     print(f"logged the MLflow model {uri} on run {run_id}, linked to {ref}", file=sys.stderr)
 
 

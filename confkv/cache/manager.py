@@ -66,6 +66,19 @@ class CacheManager:
         """How the host tier (and so session records) stores blocks: ``host_kv_dtype``'s format or the pool's."""
         return self.host.fmt or self.pool.fmt
 
+    @property
+    def host_bytes_per_block(self) -> int:
+        """Bytes one block takes on the host tier (and in a record), in ``host_fmt``: what room there is checks."""
+        return self.host_fmt.bytes_per_token(self.pool.num_layers, self.pool.num_kv_heads) * self.block_size
+
+    def to_host_form(
+        self, table: BlockTable, indices: list[int], k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device rows of logical blocks ``indices`` re-encoded in ``host_fmt`` (each block's filled rows named, so
+        a sequence's open last block keeps its grid over real tokens)."""
+        filled = torch.tensor([table.tokens_in(i) for i in indices], dtype=torch.long)
+        return self.pool.fmt.convert_to(self.host_fmt, k, v, filled)
+
     # ----------------------------------------------------------------------------------------------- lifecycle
     def open(self, seq_id: int, controller: Controller, budget: float) -> SequenceKV:
         kv = SequenceKV(seq_id=seq_id, table=BlockTable(self.block_size), controller=controller, budget=budget)
@@ -231,7 +244,7 @@ class CacheManager:
         if evicted and demote != "none":  # the budget left them out: still attended to, at low precision
             self.demoted.put(kv.seq_id, victims, self.pool.dequant_k(k), self.pool.dequant(v), demote)
             kv.stats.demoted_peak_bytes = max(kv.stats.demoted_peak_bytes, self.demoted.bytes_of(kv.seq_id))
-        k, v = self.pool.fmt.convert_to(self.host_fmt, k, v)
+        k, v = self.to_host_form(table, victims, k, v)
         dropped = self.host.put(kv.seq_id, victims, k, v, score)
         for i in victims:
             table.entries[i] = ON_HOST
@@ -289,6 +302,8 @@ class CacheManager:
         self.demoted.drop_from(kv.seq_id, keep)
         del table.entries[keep:]
         table.num_tokens = n
+        if n % bs:
+            self.pool.forget_from(table.entries[n // bs], n % bs)
         return n
 
     # ------------------------------------------------------------------------------------------------- sessions

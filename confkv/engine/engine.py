@@ -128,6 +128,9 @@ class LLMEngine:
                 host_fmt = KVFormat(config.host_kv_dtype, head_dim, policy.block_size, dtype)
             except ValueError as err:
                 raise ConfkvError(f"host_kv_dtype: {err}") from None
+            if host_fmt.bytes_per_token(layers, kv_heads) > self.pool.fmt.bytes_per_token(layers, kv_heads):
+                raise ConfkvError(f"host_kv_dtype {config.host_kv_dtype} is less compact than kv_cache_dtype "
+                                  f"{config.kv_cache_dtype}: the lower tiers may only quantise further")  # fmt: skip
         self.host = HostTier(policy.host_cache_memory, pin_memory=self.device.type == "cuda", fmt=host_fmt)
         self.policies = PolicySwitch(policy, policy_info)
         self.manager = CacheManager(self.pool, self.host, scaling)

@@ -205,7 +205,7 @@ class Scheduler:
         if seq.scored or seq.rerun:
             return False
         indices = kv.table.resident_indices()
-        if host.capacity_bytes - host.used_bytes < len(indices) * self.manager.pool.bytes_per_block:
+        if host.capacity_bytes - host.used_bytes < len(indices) * self.manager.host_bytes_per_block:
             return False
         self.manager.offload_all(kv)
         seq.swapped = indices

@@ -228,6 +228,12 @@ class BlockPool:
             self._open.pop(b, None)
         self._free.extend(ids)
 
+    def forget_from(self, block: int, filled: int) -> None:
+        """Rows ``filled`` and on of ``block`` no longer hold tokens (a session cut mid-block): an open block's
+        per-channel grid is taken over its first ``filled`` rows again from the next write."""
+        if block in self._open:
+            self._open[block] = (self._open[block][0], filled)
+
     def slots_of(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
         """All slots of the given blocks, block by block."""
         ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)

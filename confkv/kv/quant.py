@@ -340,9 +340,14 @@ class KVFormat:
         el = torch.empty((), dtype=self.storage_dtype).element_size()
         return num_layers * num_kv_heads * (self.k_row + self.v_row) * el
 
-    def encode_k(self, x: torch.Tensor) -> torch.Tensor:
-        """Whole blocks of keys ``[..., block_size, kv_heads, head_dim]`` -> stored rows."""
-        return x.to(self.storage_dtype) if self.k_codec is None else self.k_codec.encode(x)
+    def encode_k(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole blocks of keys ``[..., block_size, kv_heads, head_dim]`` -> stored rows. ``filled`` (rows written
+        per block, ``[...]``) keeps a partly filled block's empty rows out of a per-channel grid."""
+        if self.k_codec is None:
+            return x.to(self.storage_dtype)
+        if isinstance(self.k_codec, ChannelKeyCodec):
+            return self.k_codec.encode(x, filled)
+        return self.k_codec.encode(x)
 
     def encode_v(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.storage_dtype) if self.v_codec is None else self.v_codec.encode(x)
@@ -358,13 +363,19 @@ class KVFormat:
         dtype = dtype or self.compute_dtype
         return rows if self.v_codec is None else self.v_codec.decode(rows, dtype)
 
-    def convert_to(self, other: KVFormat, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole blocks' rows ``[..., block_size, kv_heads, row]`` in this format re-encoded in ``other`` (the rows
-        themselves where both are the same format)."""
+    def convert_to(
+        self, other: KVFormat, k: torch.Tensor, v: torch.Tensor, filled: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks' rows ``[..., blocks, block_size, kv_heads, row]`` in this format re-encoded in ``other``
+        (the rows themselves where both are the same format). ``filled`` (``[blocks]``: rows written in each) matters
+        where ``other`` keys per channel: a sequence's last block is partly filled, and its empty rows (zeros) would
+        otherwise widen every channel's grid."""
         if other.name == self.name and other.compute_dtype == self.compute_dtype:
             return k, v
         kf, vf = self.decode_k(k, torch.float32), self.decode_v(v, torch.float32)
-        return other.encode_k(kf.to(other.compute_dtype)), other.encode_v(vf.to(other.compute_dtype))
+        if filled is not None:
+            filled = filled.to(kf.device).expand(kf.shape[:-3])
+        return other.encode_k(kf.to(other.compute_dtype), filled), other.encode_v(vf.to(other.compute_dtype))
 
 
 _CODECS: dict[str, type[KVCodec]] = {c.name: c for c in (Int8Codec, Fp8Codec, GroupedInt4Codec)}

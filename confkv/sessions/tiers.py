@@ -245,9 +245,7 @@ class SessionTiers:
         kv = parked.kv
         assert kv is not None
         host = self.host
-        fmt = self.manager.host_fmt
-        per_block = fmt.bytes_per_token(self.pool.num_layers, self.pool.num_kv_heads) * self.pool.block_size
-        need = len(kv.table.resident_indices()) * per_block
+        need = len(kv.table.resident_indices()) * self.manager.host_bytes_per_block
         if self.store is not None:  # make room by sending older host-tier sessions to the store, not by dropping
             for other in list(self.parked.values()):
                 if host.used_bytes + need <= host.capacity_bytes:
@@ -272,7 +270,7 @@ class SessionTiers:
         on_device = table.resident_indices()
         if on_device:
             k, v, score = self.pool.read_blocks([table.entries[i] for i in on_device])  # indexing copies
-            k, v = self.pool.fmt.convert_to(self.manager.host_fmt, k, v)
+            k, v = self.manager.to_host_form(table, on_device, k, v)
             for j, i in enumerate(on_device):
                 blocks[i] = BlockKV(k[:, j].cpu(), v[:, j].cpu(), score[j].cpu())
         on_host = table.host_indices()
