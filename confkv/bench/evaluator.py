@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from confkv.bench.memory import Usage
+from confkv.bench.memory import Usage, token_bytes
 from confkv.bench.reference import Reference, ReferenceStore, build_references
 from confkv.bench.specs import TEACHER_FORCED, SuiteSpec
 from confkv.bench.textmetrics import bleu4, rouge_l
@@ -120,10 +120,7 @@ class Evaluator:
 
     def usage(self, mode: Literal["chunked", "decode"], policy: CachePolicy) -> Usage:
         """An empty ``Usage`` that knows a token's bytes at the model's dtype (the byte fractions' denominator)."""
-        geometry = BlockPool.geometry(self.loaded.model.config)
-        dtype = next(self.loaded.model.parameters()).dtype
-        auto = BlockPool.bytes_per_block_for(*geometry, policy.block_size, dtype, "auto") / policy.block_size
-        return Usage(mode, auto_bytes_per_token=auto)
+        return Usage(mode, auto_bytes_per_token=token_bytes(self.loaded, "auto", policy.block_size))
 
     # ----------------------------------------------------------------------------------------------- measures
     def score_workload(self, policy: CachePolicy, name: str) -> tuple[dict[str, Any], Usage]:

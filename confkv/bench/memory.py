@@ -15,7 +15,17 @@ import torch
 
 from confkv.config import CachePolicy
 from confkv.engine.sequence import RequestOutput
+from confkv.kv.pool import BlockPool
+from confkv.model_loader import LoadedModel
 from confkv.scoring import ScoreResult
+
+
+def token_bytes(loaded: LoadedModel, kv_cache_dtype: str, block_size: int) -> int:
+    """Bytes one token's K and V take in a pool at ``kv_cache_dtype`` (``auto``: the model's dtype), scales included:
+    the unit that rows at different dtypes are compared and matched in."""
+    geometry = BlockPool.geometry(loaded.model.config)
+    dtype = next(loaded.model.parameters()).dtype
+    return BlockPool.bytes_per_block_for(*geometry, block_size, dtype, kv_cache_dtype) // block_size
 
 
 @dataclass
