@@ -12,6 +12,10 @@ prose; perplexity over every token) and pass-key prompts (``confkv.bench.passkey
 tokens, the key at each of ``--depths`` for each of ``--seeds``; 8 tokens generated greedily; an answer is right when
 it contains the key, and "as full" counts the items where it is right exactly where ``full``'s is).
 
+``confkv bench --policies full,dynamic:int8:demote=int4,window,...`` measures the same rows in the suite, with the
+baselines matched on mean bytes per measure (``confkv.bench.suite``); this script keeps the peak-bytes matching and
+baselines at a dtype other than the pool's.
+
 Rows: ``full`` at ``auto`` and at the pool dtype; the suite's scaled ``dynamic`` (sizes times ``--scale``) at the pool
 dtype, evicting and with ``--demote``; then each of ``--baselines`` at each of ``--baseline-dtypes``, with a token
 budget that buys, at that dtype, the peak bytes the demoting ``dynamic`` held on that workload (rounded up to a
@@ -27,17 +31,11 @@ from common import load, parser, report, setup
 
 from confkv import LLM, SamplingParams
 from confkv.bench.evaluator import build_workloads
+from confkv.bench.memory import token_bytes
 from confkv.bench.passkey import passkey_item
 from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
-from confkv.kv.pool import BlockPool
 
 POOL = 256 << 20
-
-
-def bytes_per_token(loaded, kv_cache_dtype: str, block_size: int) -> int:
-    layers, kv_heads, head_dim = BlockPool.geometry(loaded.model.config)
-    dtype = next(loaded.model.parameters()).dtype
-    return BlockPool.bytes_per_block_for(layers, kv_heads, head_dim, block_size, dtype, kv_cache_dtype) // block_size
 
 
 def held(outs, auto_bpt: int) -> dict[str, float]:
@@ -74,7 +72,7 @@ def main() -> None:
     ]
     dynamic = scaled_dynamic(spec.scale * args.scale)
     bs = dynamic.block_size
-    auto_bpt = bytes_per_token(loaded, "auto", bs)
+    auto_bpt = token_bytes(loaded, "auto", bs)
     result: dict = {**env, "suite": args.suite, "prose_items": len(prose), "passkey_items": len(keys),
                     "dynamic": {k: getattr(dynamic, k) for k in ("base_size", "max_size", "min_recent")}}  # fmt: skip
     full_right: dict[str, list[bool]] = {}  # full@auto's answers, the first run's
@@ -114,7 +112,7 @@ def main() -> None:
     demoting = run(f"dynamic+{args.demote}@{args.pool_dtype}", dynamic.replace(demote_dtype=args.demote),
                    args.pool_dtype)  # fmt: skip
     for dtype in filter(None, args.baseline_dtypes.split(",")):
-        bpt = bytes_per_token(loaded, dtype, bs)
+        bpt = token_bytes(loaded, dtype, bs)
         budgets = {}
         for workload in ("prose", "passkey"):
             held_peak = demoting[f"{workload}_peak_bytes_vs_full_auto"] * demoting[f"mean_{workload}_tokens"] * auto_bpt

@@ -164,10 +164,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_throughput(args)
     if args.suite == "longgen":
         return _bench_longgen(args)
+    from confkv.bench.specs import parse_row
+
     policies = [p.strip() for p in (args.policies or ",".join(BUILTIN_POLICIES)).split(",") if p.strip()]
-    unknown = [p for p in policies if p not in BUILTIN_POLICIES]
-    if unknown:
-        raise ConfkvError(f"unknown policy {unknown[0]!r}; choose from {', '.join(BUILTIN_POLICIES)}")
+    for p in policies:
+        parse_row(p, BUILTIN_POLICIES)  # POLICY[:KV_DTYPE[:demote=DTYPE]], a one-line error before the model loads
     if not policies and not args.policy_file:
         raise ConfkvError("no policy to measure")
     for f in args.policy_file:

@@ -5,15 +5,16 @@ scripts and ``benchmarks/`` use it as ``confkv bench`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from confkv.bench.memory import Usage
+from confkv.bench.memory import Usage, token_bytes
 from confkv.bench.reference import Reference, ReferenceStore, build_references
 from confkv.bench.specs import TEACHER_FORCED, SuiteSpec
 from confkv.bench.textmetrics import bleu4, rouge_l
@@ -110,6 +111,17 @@ class Evaluator:
     def llm(self, policy: CachePolicy, **engine: Any) -> LLM:
         return LLM(self.model, policy, loaded=self.loaded, **{**self.engine, **engine})
 
+    def at(self, kv_cache_dtype: str | None) -> Evaluator:
+        """This evaluator with its measured engines at ``kv_cache_dtype`` (a row's own dtype; None: unchanged). The
+        workloads and references are shared, so rows at different dtypes are measured against the same ones."""
+        if kv_cache_dtype is None:
+            return self
+        return dataclasses.replace(self, engine={**self.engine, "kv_cache_dtype": kv_cache_dtype})
+
+    def usage(self, mode: Literal["chunked", "decode"], policy: CachePolicy) -> Usage:
+        """An empty ``Usage`` that knows a token's bytes at the model's dtype (the byte fractions' denominator)."""
+        return Usage(mode, auto_bytes_per_token=token_bytes(self.loaded, "auto", policy.block_size))
+
     # ----------------------------------------------------------------------------------------------- measures
     def score_workload(self, policy: CachePolicy, name: str) -> tuple[dict[str, Any], Usage]:
         """One teacher-forced workload: KL to full per token (and perplexity on prose), and its resident KV."""
@@ -117,7 +129,7 @@ class Evaluator:
         results = Scorer(self.llm(policy).engine).score(
             [ScoreItem(r.scored_ids, r.score_from, r.topk) for r in refs], use_tqdm=self.progress
         )
-        usage = Usage("chunked")
+        usage = self.usage("chunked", policy)
         for ref, res in zip(refs, results, strict=True):
             usage.add_scored(res, len(ref.scored_ids))
         kl_sum = sum(float(r.kl.sum()) for r in results if r.kl is not None)
@@ -137,7 +149,7 @@ class Evaluator:
             [SamplingParams(max_tokens=it.max_tokens) for it in items],
             use_tqdm=self.progress,
         )
-        usage = Usage("decode")
+        usage = self.usage("decode", policy)
         for o in outs:
             usage.add_generated(o)
         correct = [bool(it.correct(o.text)) for it, o in zip(items, outs, strict=True)]
@@ -174,7 +186,7 @@ class Evaluator:
             [list(it.prompt_ids) for it in items], SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=self.progress
         )
         elapsed = time.perf_counter() - t0
-        usage = Usage("decode")
+        usage = self.usage("decode", policy)
         for o in outs:
             usage.add_generated(o)
         tr = outs[0].trace

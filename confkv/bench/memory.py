@@ -15,7 +15,17 @@ import torch
 
 from confkv.config import CachePolicy
 from confkv.engine.sequence import RequestOutput
+from confkv.kv.pool import BlockPool
+from confkv.model_loader import LoadedModel
 from confkv.scoring import ScoreResult
+
+
+def token_bytes(loaded: LoadedModel, kv_cache_dtype: str, block_size: int) -> int:
+    """Bytes one token's K and V take in a pool at ``kv_cache_dtype`` (``auto``: the model's dtype), scales included:
+    the unit that rows at different dtypes are compared and matched in."""
+    geometry = BlockPool.geometry(loaded.model.config)
+    dtype = next(loaded.model.parameters()).dtype
+    return BlockPool.bytes_per_block_for(*geometry, block_size, dtype, kv_cache_dtype) // block_size
 
 
 @dataclass
@@ -36,9 +46,18 @@ class Usage:
     peak_fraction: float = 0.0
     peak_bytes: int = 0
     positions: list[torch.Tensor] = field(default_factory=list)
+    #: Bytes a token takes at the model's dtype (``full`` at ``auto``), the denominator of the byte fractions.
+    auto_bytes_per_token: float = 0.0
+    #: Bytes a resident token takes at the measured pool's ``kv_cache_dtype``.
+    bytes_per_token: float = 0.0
+    #: Over the measured steps: resident tokens at the pool's dtype plus each item's demoted copies (their peak,
+    #: at every step of the item: what must be provisioned for them, as ``benchmarks/demote_bytes.py`` counts).
+    resident_bytes: float = 0.0
 
-    def _item(self, kv: Mapping[str, Any], length: int) -> None:
+    def _item(self, kv: Mapping[str, Any], length: int, resident: float, steps: int) -> None:
         peak = int(kv.get("peak_resident_tokens") or 0)
+        self.bytes_per_token = float(kv.get("bytes_per_token") or 0.0)
+        self.resident_bytes += resident * self.bytes_per_token + steps * float(kv.get("demoted_peak_bytes") or 0)
         self.items += 1
         self.peak_tokens = max(self.peak_tokens, peak)
         self.peak_fraction = max(self.peak_fraction, peak / max(1, length))
@@ -50,7 +69,7 @@ class Usage:
         self.full += float(result.full.sum())
         self.steps += result.num_tokens
         self.positions.append(result.full.to(torch.float64))
-        self._item(result.kv, length)
+        self._item(result.kv, length, float(result.resident.sum()), result.num_tokens)
 
     def add_generated(self, out: RequestOutput) -> None:
         """A generated item: every token after the first is a step.
@@ -64,11 +83,22 @@ class Usage:
         self.full += float(positions.sum())
         self.steps += len(resident)
         self.positions.append(positions)
-        self._item(out.kv, out.prompt_tokens + out.generated_tokens)
+        self._item(out.kv, out.prompt_tokens + out.generated_tokens, float(sum(resident)), len(resident))
 
     @property
     def fraction_mean(self) -> float | None:
         return self.resident / self.full if self.full else None
+
+    @property
+    def bytes_fraction_mean(self) -> float | None:
+        """Mean bytes held (demoted copies included) over ``full``'s at the model's dtype."""
+        denom = self.full * self.auto_bytes_per_token
+        return self.resident_bytes / denom if denom else None
+
+    def tokens_at(self, bytes_per_token: float) -> float:
+        """The resident total (over the measured steps) as tokens of ``bytes_per_token``: what a fixed baseline at
+        that dtype must hold to match these bytes. Without byte counts (an older reader), the token total."""
+        return self.resident_bytes / bytes_per_token if self.resident_bytes and bytes_per_token else self.resident
 
     def summary(self) -> dict[str, Any]:
         """The JSON fields of a measure's memory."""
@@ -78,6 +108,9 @@ class Usage:
             "kv_mean_tokens": self.resident / self.steps if self.steps else None,
             "kv_peak_tokens": self.peak_tokens if self.items else None,
             "kv_peak_device_bytes": self.peak_bytes if self.items else None,
+            "kv_bytes_fraction_mean": self.bytes_fraction_mean,
+            "kv_mean_bytes": self.resident_bytes / self.steps if self.steps else None,
+            "kv_bytes_per_token": self.bytes_per_token or None,
             "steps": self.steps,
             "items": self.items,
         }
@@ -86,8 +119,10 @@ class Usage:
     def combine(usages: Iterable[Usage]) -> dict[str, Any]:
         """The suite-wide memory: means over every measured step, peaks over every item."""
         usages = list(usages)
-        total = Usage("chunked")
+        total = Usage("chunked", auto_bytes_per_token=max((u.auto_bytes_per_token for u in usages), default=0.0))
         for u in usages:
+            total.resident_bytes += u.resident_bytes
+            total.bytes_per_token = u.bytes_per_token or total.bytes_per_token
             total.resident += u.resident
             total.full += u.full
             total.steps += u.steps

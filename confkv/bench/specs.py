@@ -12,9 +12,9 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
-from confkv.config import CachePolicy
+from confkv.config import CachePolicy, KVCacheDtype
 from confkv.errors import ConfkvError
 
 #: The measures of a suite, in report order; each has its own resident KV and, for baselines, its own budget.
@@ -94,6 +94,45 @@ TINY_STANDARD = SuiteSpec(
 TINY_SUITES: dict[str, SuiteSpec] = {"quick": TINY, "standard": TINY_STANDARD}
 
 
+@dataclass(frozen=True)
+class RowSpec:
+    """One ``--policies`` entry: ``POLICY[:KV_DTYPE[:demote=DTYPE]]`` (``full:int8``, ``dynamic:int8:demote=int4``).
+
+    The dtype rides on the policy, vLLM's ``--kv-cache-dtype`` values after a colon, because a comparison wants
+    chosen pairs (``full`` at ``auto`` beside ``dynamic`` demoting on an ``int8`` pool), not every policy at every
+    dtype; ``--kv-cache-dtype`` stays the dtype of an entry that names none. ``label`` is the row's name.
+    """
+
+    label: str
+    policy: str
+    kv_cache_dtype: str | None = None
+    demote_dtype: str | None = None
+
+
+def parse_row(text: str, builtin: tuple[str, ...]) -> RowSpec:
+    """A ``--policies`` entry, or a one-line ``ConfkvError`` naming what is wrong with it."""
+    parts = text.strip().split(":")
+    name, rest = parts[0], parts[1:]
+    if name not in builtin:
+        raise ConfkvError(f"unknown policy {name!r} in {text!r}; choose from {', '.join(builtin)}")
+    dtypes = get_args(KVCacheDtype)
+    demotes = get_args(CachePolicy.model_fields["demote_dtype"].annotation)
+    kv = demote = None
+    if rest:
+        kv = rest.pop(0)
+        if kv not in dtypes:
+            raise ConfkvError(f"unknown kv_cache_dtype {kv!r} in {text!r}; choose from {', '.join(dtypes)}")
+    if rest:
+        key, _, demote = rest.pop(0).partition("=")
+        if key != "demote" or demote not in demotes:
+            raise ConfkvError(f"bad {':'.join(parts[2:3])!r} in {text!r}; write demote=" + "|".join(demotes))
+        if name not in VARIANT_CONTROLLERS + FIXED_BASELINES:
+            raise ConfkvError(f"{text!r}: demote_dtype applies to an evicting policy, not {name!r}")
+    if rest:
+        raise ConfkvError(f"bad policy entry {text!r}; write POLICY[:KV_DTYPE[:demote=DTYPE]]")
+    return RowSpec(text.strip(), name, kv, demote)
+
+
 def suite_spec(model: str, suite: str) -> SuiteSpec:
     """The sizes ``confkv bench --suite`` runs: toy ones on ``tiny-random``, so CI exercises every code path."""
     table = TINY_SUITES if model == "tiny-random" else SUITES
@@ -111,10 +150,13 @@ def scaled_dynamic(scale: float) -> CachePolicy:
 
 
 def baseline_policy(dynamic: CachePolicy, name: str, budget: int | None = None) -> CachePolicy:
-    """A fixed baseline beside ``dynamic``: ``budget`` tokens (default twice its base), half of them recent."""
+    """A fixed baseline beside ``dynamic``: ``budget`` tokens (default twice its base), half of them recent. It
+    evicts what its budget leaves out (``demote_dtype: none``) even beside a demoting variant: that is the comparison.
+    """
     budget = budget or 2 * dynamic.base_size
+    half = max(dynamic.block_size, budget // 2)
     return dynamic.replace(
-        controller=name, scorer=None, base_size=budget, max_size=budget, min_recent=max(dynamic.block_size, budget // 2)
+        controller=name, scorer=None, base_size=budget, max_size=budget, min_recent=half, demote_dtype="none"
     )
 
 

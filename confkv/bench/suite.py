@@ -47,16 +47,17 @@ from confkv.bench.specs import (
     RETRIEVAL,
     TEACHER_FORCED,
     VARIANT_CONTROLLERS,
+    RowSpec,
     SuiteSpec,
     baseline_policy,
     estimate_seconds,
+    parse_row,
     scaled_dynamic,
     suite_spec,
 )
 from confkv.bench.tables import equal_memory_comparisons
 from confkv.bench.textmetrics import bleu4, rouge_l
 from confkv.config import BUILTIN_POLICIES, CachePolicy
-from confkv.errors import ConfkvError
 from confkv.policy_source import load_policy
 from confkv.progress import Stage, stage
 
@@ -79,14 +80,16 @@ def measure_policy(
     full_gen: tuple[dict[str, Any], Usage],
     log: Callable[[str], None] = print,
     label: str = "",
+    full_is_reference: bool = True,
 ) -> PolicyRun:
     """Every measure of one policy: ``policies`` gives the policy of each measure (a baseline's budget differs per
     measure), ``overall`` the one recorded in the entry and used for the batch. ``full_gen`` is full's own long
     generation: the reference for BLEU/ROUGE, and full's measure when the policy is full. The measures are a
-    progress stage (``confkv.progress``) named after the policy."""
+    progress stage (``confkv.progress``) named after the policy. ``full_is_reference``: a ``full`` row reuses
+    ``full_gen`` as its own long generation (true at ``auto``; a quantised ``full`` generates its own)."""
     steps = len(MEASURES) + (1 if ev.spec.batch else 0)
     with stage(f"policy {label}".strip(), total=steps, unit="measures") as progress:
-        return _measure(ev, policies, overall, full_gen, log, label, progress)
+        return _measure(ev, policies, overall, full_gen, log, label, progress, full_is_reference)
 
 
 def _measure(
@@ -97,6 +100,7 @@ def _measure(
     log: Callable[[str], None],
     label: str,
     progress: Stage,
+    full_is_reference: bool = True,
 ) -> PolicyRun:
     work: dict[str, dict[str, Any]] = {}
     usages: dict[str, Usage] = {}
@@ -128,7 +132,7 @@ def _measure(
         entry[f"{name}_kv_fraction"] = usages[name].fraction_mean
     free_policy = policies[FREE_GENERATION]
     progress.set_note("free long generation")
-    if free_policy.controller == "full":  # full's own generation is the reference: measured once, before any policy
+    if free_policy.controller == "full" and full_is_reference:  # the reference itself: measured once, before any row
         gen, usages[FREE_GENERATION] = dict(full_gen[0]), full_gen[1]
         texts = gen["texts"]
         gen.update(bleu4_vs_full=bleu4(texts, texts), rougeL_vs_full=rouge_l(texts, texts))
@@ -149,7 +153,8 @@ def _measure(
         entry.update(requests_per_s=None, batch_pool_blocks=None, batch_preemptions=None)
     batch_seconds = time.perf_counter() - t0
     total = Usage.combine(usages.values())
-    entry.update({k: total[k] for k in ("kv_fraction_mean", "kv_fraction_peak", "kv_mean_tokens", "kv_peak_tokens")})
+    keys = ("kv_fraction_mean", "kv_fraction_peak", "kv_mean_tokens", "kv_peak_tokens", "kv_bytes_fraction_mean")
+    entry.update({k: total[k] for k in keys})
     entry["kv_peak_device_bytes"] = total["kv_peak_device_bytes"]
     entry["workloads"] = {name: {**usages[name].summary(), **work[name]} for name in MEASURES}
     entry["seconds"] = sum(w["seconds"] for w in work.values()) + batch_seconds
@@ -164,11 +169,13 @@ def _measure(
 
 @dataclass(frozen=True)
 class PlannedPolicy:
-    """One row of a run: its name, the policy, and (for a baseline) the variant whose memory it is matched to."""
+    """One row of a run: its name, the policy, the variant whose memory it is matched to (a baseline), and the
+    ``kv_cache_dtype`` of its pool (None: the run's ``--kv-cache-dtype``)."""
 
     name: str
     policy: CachePolicy
     matched_to: str | None = None
+    kv_cache_dtype: str | None = None
 
 
 def row_name(stem: str, taken: set[str]) -> str:
@@ -182,30 +189,40 @@ def row_name(stem: str, taken: set[str]) -> str:
 
 
 def plan_policies(names: list[str], policy_files: list[str], dynamic: CachePolicy) -> list[PlannedPolicy]:
-    """The run's policies in order: ``full``; each variant followed by its fixed baselines; fixed policy files.
+    """The run's policies in order: ``full`` rows; each variant followed by its fixed baselines; fixed policy files.
 
-    A variant is the built-in ``dynamic`` (when named) or a policy file whose controller moves its budget. The
-    baselines named in ``names`` run once per variant: under their own name for the built-in ``dynamic``, as
-    ``window@tuned`` for a file ``tuned.yaml``. Without any variant they run at the default budget (twice
-    dynamic's base), as they always did.
+    ``names`` are ``--policies`` entries, ``POLICY[:KV_DTYPE[:demote=DTYPE]]`` (``confkv.bench.specs.parse_row``).
+    A variant is a ``dynamic`` entry (at any dtype, demoting or not) or a policy file whose controller moves its
+    budget. The plain baselines named (``window``, ...) run once per variant at the variant's pool dtype: under
+    their own name beside the plain built-in ``dynamic``, else as ``window@tuned`` (a file ``tuned.yaml``) or
+    ``window:int8@dynamic:int8:demote=int4`` (an entry with a dtype). Without any variant they run at the default
+    budget (twice dynamic's base), as they always did. Baseline entries with a dtype (``window:int8``) are rows of
+    their own at that default budget.
     """
-    for name in names:
-        if name not in BUILTIN_POLICIES:
-            raise ConfkvError(f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)}")
-    taken = set(names)
+    rows = [parse_row(n, BUILTIN_POLICIES) for n in names]
+    taken = {r.label for r in rows}
     files = [(row_name(Path(f).stem, taken), load_policy(f)) for f in policy_files]
-    plan: list[PlannedPolicy] = []
-    if "full" in names:
-        plan.append(PlannedPolicy("full", CachePolicy(controller="full")))
-    variants = [("dynamic", dynamic, True)] if "dynamic" in names else []
-    variants += [(n, p, False) for n, p in files if p.controller in VARIANT_CONTROLLERS]
-    baselines = [n for n in names if n in FIXED_BASELINES]
-    for vname, vpolicy, builtin in variants:
-        plan.append(PlannedPolicy(vname, vpolicy))
+
+    def policy_of(row: RowSpec) -> CachePolicy:
+        base = dynamic if row.policy == "dynamic" else baseline_policy(dynamic, row.policy)
+        if row.policy == "full":
+            base = CachePolicy(controller="full")
+        return base.replace(demote_dtype=row.demote_dtype) if row.demote_dtype else base
+
+    plan = [PlannedPolicy(r.label, policy_of(r), None, r.kv_cache_dtype) for r in rows if r.policy == "full"]
+    plain = {"dynamic", *FIXED_BASELINES}
+    variants = [(r.label, policy_of(r), r.label == "dynamic", r.kv_cache_dtype) for r in rows if r.policy == "dynamic"]
+    variants += [(n, p, False, None) for n, p in files if p.controller in VARIANT_CONTROLLERS]
+    baselines = [r.label for r in rows if r.policy in FIXED_BASELINES and r.label in plain]
+    for vname, vpolicy, builtin, kv in variants:
+        plan.append(PlannedPolicy(vname, vpolicy, None, kv))
         for b in baselines:
-            plan.append(PlannedPolicy(b if builtin else f"{b}@{vname}", baseline_policy(vpolicy, b), vname))
+            name = b if builtin else f"{b}{':' + kv if kv else ''}@{vname}"
+            plan.append(PlannedPolicy(name, baseline_policy(vpolicy, b), vname, kv))
     if not variants:
         plan += [PlannedPolicy(b, baseline_policy(dynamic, b)) for b in baselines]
+    fixed = [r for r in rows if r.policy in FIXED_BASELINES and r.label not in plain]
+    plan += [PlannedPolicy(r.label, policy_of(r), None, r.kv_cache_dtype) for r in fixed]
     plan += [PlannedPolicy(n, p) for n, p in files if p.controller not in VARIANT_CONTROLLERS]
     return plan
 
@@ -252,20 +269,30 @@ def run_suite(
                 variant = runs[planned.matched_to]
                 vpolicy = next(p.policy for p in plan if p.name == planned.matched_to)
                 if planned.matched_to not in budgets:
+                    # matched on bytes: the baseline runs at the variant's pool dtype, so the tokens that hold the
+                    # variant's bytes (its resident KV plus any demoted copies) at that dtype's bytes per token
                     all_usages = list(variant.usages.values())
+                    bpt = {m: variant.usages[m].bytes_per_token for m in MEASURES}
                     budgets[planned.matched_to] = {
-                        m: matched_budget([variant.usages[m]], variant.usages[m].resident, vpolicy) for m in MEASURES
-                    } | {"overall": matched_budget(all_usages, sum(u.resident for u in all_usages), vpolicy)}
+                        m: matched_budget([variant.usages[m]], variant.usages[m].tokens_at(bpt[m]), vpolicy)
+                        for m in MEASURES
+                    }
+                    overall = sum(u.tokens_at(bpt[m]) for m, u in variant.usages.items())
+                    budgets[planned.matched_to]["overall"] = matched_budget(all_usages, overall, vpolicy)
                     matched = budgets[planned.matched_to]
-                    log(f"baselines of {planned.matched_to}, matched to its mean resident KV: {matched}")
+                    log(f"baselines of {planned.matched_to}, matched to its mean resident KV bytes: {matched}")
                 b = budgets[planned.matched_to]
                 controller = planned.policy.controller
                 per_measure = {m: baseline_policy(vpolicy, controller, b[m]) for m in MEASURES}
                 policy = baseline_policy(vpolicy, controller, b["overall"])
+            row_ev = ev.at(planned.kv_cache_dtype)
+            exact = row_ev.engine.get("kv_cache_dtype", "auto") == "auto"  # full there is the reference itself
             run = measure_policy(
-                ev, per_measure or dict.fromkeys(MEASURES, policy), policy, full_gen, log=log, label=planned.name
-            )
+                row_ev, per_measure or dict.fromkeys(MEASURES, policy), policy, full_gen, log=log,
+                label=planned.name, full_is_reference=exact,
+            )  # fmt: skip
             run.entry["matched_to"] = planned.matched_to
+            run.entry["kv_cache_dtype"] = row_ev.engine.get("kv_cache_dtype", "auto")
             run.entry["budgets"] = {m: budgets[planned.matched_to][m] for m in MEASURES} if per_measure else None
             for m in MEASURES:
                 run.entry["workloads"][m]["budget_tokens"] = run.entry["budgets"][m] if per_measure else None

@@ -90,6 +90,7 @@ _Column = tuple[str, Callable[[dict[str, Any]], str]]
 _COLUMNS: tuple[_Column, ...] = (
     ("KV mean %", lambda e: fmt(e.get("kv_fraction_mean"), 1, 100)),
     ("KV peak %", lambda e: fmt(e.get("kv_fraction_peak"), 1, 100)),
+    ("KV bytes mean %", lambda e: fmt(e.get("kv_bytes_fraction_mean"), 1, 100)),
     ("ppl", lambda e: fmt(e.get("ppl"), 3)),
     ("Δppl %", lambda e: fmt(e.get("ppl_delta_rel"), 2, 100, signed=True)),
     ("KL", lambda e: fmt(e.get("kl_mean"), 4)),
@@ -129,6 +130,13 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(1.0, abs(b))
 
 
+def _memory(w: dict[str, Any]) -> float | None:
+    """A measure's mean memory for the equal-memory check: bytes over full's at the model's dtype (what rows at
+    different KV dtypes or with demoted copies are matched on), tokens in results written before bytes were."""
+    b = finite(w.get("kv_bytes_fraction_mean"))
+    return b if b is not None else finite(w.get("kv_fraction_mean"))
+
+
 def equal_memory_comparisons(results: dict[str, Any]) -> dict[str, Any]:
     """For each variant (a policy some baselines are matched to) and each measure: who is ahead at equal memory.
 
@@ -155,7 +163,7 @@ def equal_memory_comparisons(results: dict[str, Any]) -> dict[str, Any]:
                 continue
             best = max(known.values()) if higher else min(known.values())
             ahead = [n for n, v in known.items() if _same(v, best)]
-            kv = {n: finite(_workload(policies[n], measure).get("kv_fraction_mean")) for n in contenders}
+            kv = {n: _memory(_workload(policies[n], measure)) for n in contenders}
             peak = {n: finite(_workload(policies[n], measure).get("kv_fraction_peak")) for n in contenders}
             mismatch = {}
             for n in baselines:
