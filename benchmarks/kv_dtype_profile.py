@@ -15,22 +15,14 @@ from __future__ import annotations
 import time
 
 import torch
-from common import load, parser, readme_windows, report, setup, start_decoding
+from common import load, parser, readme_windows, report, setup
+from kv_dtypes import decoding_engine
 from torch.profiler import ProfilerActivity, profile
-
-from confkv import LLM, SamplingParams
-
-SETTLE_STEPS = 20
 
 
 def profile_steps(args, loaded, dtype: str, prompts: list[list[int]]) -> tuple[float, dict[str, tuple[float, float]]]:
     """Wall ms per step under the profiler, and ``{op: (self CPU ms per step, calls per step)}``."""
-    reading = -(-args.batch * args.context // 512) + args.batch
-    params = SamplingParams(max_tokens=reading + SETTLE_STEPS + args.steps + 8, ignore_eos=True)
-    llm = LLM(args.model, "full", loaded=loaded, max_batch_size=args.batch, kv_cache_memory="1GiB",
-              kv_cache_dtype=dtype)  # fmt: skip
-    engine = llm.engine
-    start_decoding(engine, prompts, params, SETTLE_STEPS)
+    engine = decoding_engine(args, loaded, dtype, prompts)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):

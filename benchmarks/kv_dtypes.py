@@ -39,13 +39,19 @@ def perplexity(args, loaded, dtype: str, items: list, policy="full") -> tuple[fl
     return math.exp(sum(nll) / len(nll)), len(nll), resident, sum(r.kv["demoted_peak_bytes"] for r in results)
 
 
-def step_ms(args, loaded, dtype: str, prompts: list[list[int]]) -> float:
+def decoding_engine(args, loaded, dtype: str, prompts: list[list[int]]):
+    """A ``full`` engine at ``dtype`` with ``--batch`` sequences read and ``SETTLE_STEPS`` decode steps taken, with
+    room left for ``--steps`` more: the step both this script and ``kv_dtype_profile.py`` measure."""
     reading = -(-args.batch * args.context // 512) + args.batch
     params = SamplingParams(max_tokens=reading + SETTLE_STEPS + args.steps + 8, ignore_eos=True)
     llm = LLM(args.model, "full", loaded=loaded, max_batch_size=args.batch, kv_cache_memory="1GiB",
               kv_cache_dtype=dtype)  # fmt: skip
-    engine = llm.engine
-    start_decoding(engine, prompts, params, SETTLE_STEPS)
+    start_decoding(llm.engine, prompts, params, SETTLE_STEPS)
+    return llm.engine
+
+
+def step_ms(args, loaded, dtype: str, prompts: list[list[int]]) -> float:
+    engine = decoding_engine(args, loaded, dtype, prompts)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
