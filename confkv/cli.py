@@ -220,6 +220,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         raise ConfkvError("--ceiling takes a whole number of at least 2 (the pool's multiple)")
     if args.output_tokens is not None:
         changes["output_tokens"] = _token_range(args.output_tokens)
+    changes.update(_operating_point(args))
     out_folder(args.out)
     results = run_throughput(
         args.model, policies, policy_files=args.policy_file, scenarios=scenarios, changes=changes, ceiling=args.ceiling,
@@ -246,6 +247,7 @@ def _bench_longgen(args: argparse.Namespace) -> int:
 
         load_policy(f)
     changes = {"output_tokens": _token_range(args.output_tokens)} if args.output_tokens else {}
+    changes.update(_operating_point(args))
     out_folder(args.out)
     results = run_curves(
         args.model, policies, runs=args.runs, policy_files=args.policy_file, changes=changes, admission=admission,
@@ -255,6 +257,16 @@ def _bench_longgen(args: argparse.Namespace) -> int:
     paths = write_curves_report(results, args.out)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
+
+
+def _operating_point(args: argparse.Namespace) -> dict[str, int]:
+    """``--full-fits`` and ``--max-batch-size`` as stream spec fields (the pool-size sweep of issue 34: every row
+    of a run gets the same pool and batch bound); whole numbers of at least 1, one line otherwise."""
+    changes = {"full_fits": args.full_fits, "max_batch_size": args.max_batch_size}
+    for key, value in changes.items():
+        if value is not None and value < 1:
+            raise ConfkvError(f"--{key.replace('_', '-')} takes a whole number of at least 1, not {value}")
+    return {k: v for k, v in changes.items() if v is not None}
 
 
 def _token_range(value: str) -> tuple[int, int]:

@@ -190,6 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="throughput suite: draw output lengths from this range instead of the stream's (the pool follows)",
     )  # fmt: skip
     bench.add_argument(
+        "--full-fits", type=int, default=None, metavar="N",
+        help="throughput and longgen suites: the KV pool holds N full-cache copies of the stream's longest request "
+        "(the stream's own: 4 on a CPU; --ceiling multiplies it)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--max-batch-size", type=int, default=None, metavar="N",
+        help="throughput and longgen suites: at most N sequences in one step (the stream's own: 16 on a CPU)",
+    )  # fmt: skip
+    bench.add_argument(
         "--runs", type=int, default=None,
         help="longgen suite: long answers per policy (default 16 on a CPU, 128 on a GPU, 6 for tiny-random; 1,000 is "
         "the requirement's)",
