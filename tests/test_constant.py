@@ -35,6 +35,13 @@ def seeing_network(where: Path) -> Path:
     return MLPPolicy(layers=layers, action="knobs").save(where, BASE)
 
 
+def blind_budget_network(where: Path, action: int) -> Path:
+    """A budget network that ignores its input: contract (0), hold (1) or expand (2) whatever it observes."""
+    bias = torch.zeros(3)
+    bias[action] = 1.0
+    return MLPPolicy(layers=[(torch.zeros(3, OBS_DIM), bias, "none")], action="budget").save(where, BASE)
+
+
 def test_paired_margin_and_median_knobs():
     a = [{"item": f"i{k}", "reward": 1.0 + 0.1 * k} for k in range(8)]
     b = [{"item": f"i{k}", "reward": 0.5 + 0.1 * k + (0.05 if k % 2 else -0.05)} for k in range(8)]
@@ -114,3 +121,21 @@ def test_recording_the_decisions_changes_nothing_the_network_does(tmp_path):
     assert [r["reward"] for r in recorded["per_episode"]] == [r["reward"] for r in plain["per_episode"]]
     assert len(decisions) >= sum(r["segments"] for r in plain["per_episode"]) - len(plain["per_episode"])
     assert len({d["entropy_threshold"] for d in decisions}) > 2  # it acts on what it sees
+
+
+def test_a_budget_network_is_checked_against_its_median_budget_held_fixed(tmp_path, monkeypatch, capsys):
+    bs = BASE.block_size
+    assert median_knobs([{"budget": b} for b in (20.0, 40.0, 90.0)], BASE) == {"base_size": 32, "max_size": 32}
+    assert median_knobs([{"budget": 3.0}], BASE) == {"base_size": bs, "max_size": bs}  # at least one block
+    monkeypatch.chdir(tmp_path)
+    expand = blind_budget_network(tmp_path / "expand", 2)
+    args = ["compare", "--model", "tiny-random", "--workload", "prose", "--items-scale", "2", "--policy",
+            f"expand={expand}", "--out", "cmp", "--no-mlflow"]  # fmt: skip
+    assert tune_main(args) == 0
+    assert "| expand constant | dynamic |" in capsys.readouterr().out
+    check = json.loads((tmp_path / "cmp" / "state_dependence.json").read_text())["expand"]
+    # expanding a fifth of the way every segment: the budgets it applied rise from base_size towards max_size
+    assert check["decisions"] > 4
+    size = check["knobs"]["base_size"]
+    assert size == check["knobs"]["max_size"] and BASE.base_size < size <= BASE.max_size and size % bs == 0
+    assert check["margins"]["constant"]["lo"] <= check["margins"]["constant"]["hi"]

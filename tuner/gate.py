@@ -120,7 +120,7 @@ def run_gate(
     sizes: dict[str, dict[str, Any]] | None = None,
 ) -> GateResult:
     """Evaluate the candidate and the alias's current version on ``workload``'s held-out split; record both."""
-    from envs.constant import check_against_constant, is_knobs_network
+    from envs.constant import check_against_constant, is_network
     from envs.env import RewardWeights
     from envs.episodes import TUNE_WORKLOADS, build_episodes
     from envs.evaluate import evaluate_policy
@@ -142,7 +142,7 @@ def run_gate(
     def side(version: int, against_constant: bool = False) -> GateSide:
         _, policy, _ = registry.load(name, version)
         extra: dict[str, Any] = {}
-        if against_constant and is_knobs_network(policy):
+        if against_constant and is_network(policy):
             checks[version] = check = check_against_constant(data, policy, weights, seed, label=f"v{version}")
             metrics, extra = check.learned, {"state_dependence": check.to_dict()}
         else:

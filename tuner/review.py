@@ -54,7 +54,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from confkv.calibration import calibrated_thresholds
-    from envs.constant import evaluate_with_actions, is_knobs_network
+    from envs.constant import evaluate_with_actions, is_network
     from envs.evaluate import evaluate_policy
     from tuner.tracking import check_tracking_uri, metric_key
 
@@ -88,7 +88,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         with stage("compare", total=len(named), unit="policies") as progress:
             for name, policy in named:
                 label = f"evaluate {name}"
-                if name in given and is_knobs_network(policy):  # its decisions make its own constant
+                if name in given and is_network(policy):  # its decisions make its own constant
                     full, decisions[name] = evaluate_with_actions(data, policy, reward_weights(args), label=label)
                 else:
                     full = evaluate_policy(data, policy, reward_weights(args), label=label)
@@ -145,8 +145,9 @@ def state_dependence(
     data: Any, args: argparse.Namespace, policies: dict[str, CachePolicy], decisions: dict[str, list[dict[str, float]]],
     per_episode: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], rules: list[str],
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Each learned knobs policy against its own constant (the ``dynamic`` rule with the network's median knobs over
-    the decisions it took here, evaluated and added to ``rows`` as ``NAME constant``) and against every rule policy
+    """Each learned policy against its own constant (the ``dynamic`` rule with the network's median knobs over the
+    decisions it took here, or a budget network's median budget held fixed, evaluated and added to ``rows`` as
+    ``NAME constant``) and against every rule policy
     named with ``--policy`` (an Optuna result): per-item reward margins with 95% bootstrap intervals over items."""
     from envs.constant import median_knobs, own_constant, paired_margin
     from envs.evaluate import evaluate_policy
@@ -176,8 +177,9 @@ def state_dependence_lines(checks: dict[str, dict[str, Any]]) -> list[str]:
     ci = lambda m: f"{m['mean']:+.4f} [{m['lo']:+.4f}, {m['hi']:+.4f}]" if m["lo"] is not None else f"{m['mean']:+.4f}"  # noqa: E731
     lines = ["", "## State dependence: each learned policy against its own constant", "",
              "Its constant is the plain `dynamic` rule with the network's median knobs over the decisions it took on "
-             "these items (row `NAME constant` above). Margin: mean per-item reward difference, 95% bootstrap "
-             "interval over items; a network that uses what it sees beats its constant with the interval above 0.",
+             "these items (a budget network: the median budget it applied, held fixed; row `NAME constant` above). "
+             "Margin: mean per-item reward difference, 95% bootstrap interval over items; a network that uses what "
+             "it sees beats its constant with the interval above 0.",
              "", "| policy | decisions | its constant's knobs | margin over its constant | beats it | other margins |",
              "|:---|---:|:---|---:|:---|:---|"]  # fmt: skip
     for name, c in checks.items():
