@@ -9,20 +9,25 @@ the median of each knob; ``paired_margin`` is the mean per-item difference of ep
 percentile bootstrap interval over items (``scipy.stats.bootstrap``). The network beats its constant only when
 the interval lies above zero; a network that ignores its input scores exactly its constant (margin 0).
 
-A budget-action network (contract / hold / expand) sets no knobs; its constant is the budget it holds most, the
-median over its decisions of the budget each one applied, held fixed (the rule with ``base_size = max_size``).
+A budget-action network (contract / hold / expand) sets no knobs; its constant is its most frequent action taken
+every segment whatever it observes (a network with zero weights, run through the same engine path), so a network
+that ignores its input scores exactly its constant here too.
 """
 
 from __future__ import annotations
 
+import tempfile
+from collections import Counter
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from confkv.config import CachePolicy
 from confkv.controllers.learned import KNOB_NAMES, SIZE_NAMES, LearnedController, MLPPolicy, apply_budget_action
-from confkv.controllers.observation import OBS_NAMES
+from confkv.controllers.observation import OBS_NAMES, obs_dim
 from envs.env import RewardWeights
 from envs.episodes import Episode, TuneData
 from envs.evaluate import evaluate_policy
@@ -70,19 +75,20 @@ def evaluate_with_actions(
     controller = LearnedController(policy, recorder)
     metrics = evaluate_policy(data, policy, weights, episodes, label=label, controller=controller)
     if controller.space is None:
-        return metrics, [{"budget": applied_budget(o, a, controller)} for o, a in recorder.seen]  # type: ignore[arg-type]
+        return metrics, [{"budget_action": int(a), "budget": applied_budget(o, a, controller)}  # type: ignore[arg-type]
+                         for o, a in recorder.seen]  # fmt: skip
     return metrics, [controller.space.knobs(a) for _, a in recorder.seen]
 
 
 def median_knobs(decisions: list[dict[str, float]], policy: CachePolicy) -> dict[str, float]:
     """The median of each knob over ``decisions`` (sizes in whole blocks, ``max_size >= base_size``); a knob the
-    network does not set keeps ``policy``'s value. Budget decisions give the median budget as both sizes."""
+    network does not set keeps ``policy``'s value. Budget decisions give their most frequent action (ties: the
+    smallest, contract before hold before expand)."""
     if not decisions:
         raise ValueError("the network took no decision on these items")
-    if "budget" in decisions[0]:
-        bs = policy.block_size
-        size = int(max(bs, round(float(np.median([d["budget"] for d in decisions])) / bs) * bs))
-        return {"base_size": size, "max_size": size}
+    if "budget_action" in decisions[0]:
+        counts = Counter(int(d["budget_action"]) for d in decisions)
+        return {"budget_action": max(sorted(counts), key=lambda a: counts[a])}
     out: dict[str, float] = {}
     for name in KNOB_NAMES:
         if name in decisions[0]:
@@ -98,8 +104,34 @@ def median_knobs(decisions: list[dict[str, float]], policy: CachePolicy) -> dict
 
 
 def own_constant(policy: CachePolicy, knobs: dict[str, float]) -> CachePolicy:
-    """The plain ``dynamic`` rule of ``policy`` with ``knobs`` held constant."""
+    """The plain ``dynamic`` rule of ``policy`` with ``knobs`` held constant; for a budget network
+    (``budget_action``), the network that takes that action whatever it observes."""
+    if "budget_action" in knobs:
+        return blind_budget_policy(policy, int(knobs["budget_action"]))
     return policy.replace(controller="dynamic", learned_path=None, **knobs)
+
+
+BUDGET_ACTIONS = ("contract", "hold", "expand")
+
+
+def constant_text(knobs: dict[str, float]) -> str:
+    """How a report names a learned policy's constant."""
+    if "budget_action" in knobs:
+        return f"the budget network that always takes {BUDGET_ACTIONS[int(knobs['budget_action'])]}"
+    return "dynamic with " + ", ".join(f"{k} {v:g}" for k, v in knobs.items())
+
+
+def blind_budget_policy(policy: CachePolicy, action: int) -> CachePolicy:
+    """``policy``'s budget network replaced by one with zero weights that always takes ``action`` (saved in a
+    temporary folder, which the returned policy points at)."""
+    mlp = MLPPolicy.load(policy.learned_path)
+    bias = torch.zeros(3)
+    bias[action] = 1.0
+    blind = MLPPolicy(layers=[(torch.zeros(3, obs_dim(mlp.obs_version)), bias, "none")], action="budget",
+                      obs_version=mlp.obs_version)  # fmt: skip
+    folder = Path(tempfile.mkdtemp(prefix="confkv-constant-"))
+    blind.save(folder, policy)
+    return policy.replace(learned_path=str(folder))
 
 
 @dataclass

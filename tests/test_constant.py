@@ -123,19 +123,29 @@ def test_recording_the_decisions_changes_nothing_the_network_does(tmp_path):
     assert len({d["entropy_threshold"] for d in decisions}) > 2  # it acts on what it sees
 
 
-def test_a_budget_network_is_checked_against_its_median_budget_held_fixed(tmp_path, monkeypatch, capsys):
-    bs = BASE.block_size
-    assert median_knobs([{"budget": b} for b in (20.0, 40.0, 90.0)], BASE) == {"base_size": 32, "max_size": 32}
-    assert median_knobs([{"budget": 3.0}], BASE) == {"base_size": bs, "max_size": bs}  # at least one block
+def test_a_budget_network_is_checked_against_its_most_frequent_action_held_constant(tmp_path, monkeypatch, capsys):
+    ties = [{"budget_action": a} for a in (2, 0, 2, 0, 1)]
+    assert median_knobs(ties, BASE) == {"budget_action": 0}  # a tie goes to the smallest action
+    assert median_knobs([{"budget_action": a} for a in (2, 2, 1)], BASE) == {"budget_action": 2}
     monkeypatch.chdir(tmp_path)
     expand = blind_budget_network(tmp_path / "expand", 2)
     args = ["compare", "--model", "tiny-random", "--workload", "prose", "--items-scale", "2", "--policy",
             f"expand={expand}", "--out", "cmp", "--no-mlflow"]  # fmt: skip
     assert tune_main(args) == 0
-    assert "| expand constant | dynamic |" in capsys.readouterr().out
+    assert "| expand constant | learned |" in capsys.readouterr().out
     check = json.loads((tmp_path / "cmp" / "state_dependence.json").read_text())["expand"]
-    # expanding a fifth of the way every segment: the budgets it applied rise from base_size towards max_size
-    assert check["decisions"] > 4
-    size = check["knobs"]["base_size"]
-    assert size == check["knobs"]["max_size"] and BASE.base_size < size <= BASE.max_size and size % bs == 0
-    assert check["margins"]["constant"]["lo"] <= check["margins"]["constant"]["hi"]
+    # a network that expands whatever it sees is its own constant: margin exactly 0
+    assert check["decisions"] > 4 and check["knobs"] == {"budget_action": 2}
+    assert check["margins"]["constant"] == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "items": 4, "above_zero": False}
+
+
+def test_the_gate_refuses_a_budget_network_that_ignores_its_input(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path}/reg.db"
+    reg = Registry(url)
+    # a network that holds whatever it sees: its constant is itself
+    reg.register("hold", blind_budget_network(tmp_path / "hold", 1), model="tiny-random")
+    assert tune_main(["promote", "hold", "1", "--check", "prose", "--registry-url", url]) == 1
+    out, err = capsys.readouterr()
+    assert "its constant: dynamic with budget_action 1" in out
+    assert "does not beat its own constant" in err
+    assert reg.alias_version("hold") is None

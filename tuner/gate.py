@@ -92,8 +92,10 @@ class GateResult:
             b = _fmt(self.current.metrics.get(key)) if self.current else "-"
             lines.append(f"{key:<14}{a:>18}{b:>22}")
         if self.constant is not None:
-            knobs = ", ".join(f"{k} {v:g}" for k, v in self.constant.knobs.items())
-            lines.append(f"its constant: dynamic with {knobs}: reward {self.constant.constant['reward']:.4f}")
+            from envs.constant import constant_text
+
+            lines.append(f"its constant: {constant_text(self.constant.knobs)}: reward "
+                         f"{self.constant.constant['reward']:.4f}")  # fmt: skip
         lines.append(self.verdict())
         return "\n".join(lines)
 
