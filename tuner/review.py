@@ -175,6 +175,7 @@ def state_dependence_lines(checks: dict[str, dict[str, Any]]) -> list[str]:
     if not checks:
         return []
     from envs.constant import BUDGET_ACTIONS
+
     ci = lambda m: f"{m['mean']:+.4f} [{m['lo']:+.4f}, {m['hi']:+.4f}]" if m["lo"] is not None else f"{m['mean']:+.4f}"  # noqa: E731
     lines = ["", "## State dependence: each learned policy against its own constant", "",
              "Its constant is the plain `dynamic` rule with the network's median knobs over the decisions it took on "
