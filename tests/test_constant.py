@@ -146,6 +146,6 @@ def test_the_gate_refuses_a_budget_network_that_ignores_its_input(tmp_path, caps
     reg.register("hold", blind_budget_network(tmp_path / "hold", 1), model="tiny-random")
     assert tune_main(["promote", "hold", "1", "--check", "prose", "--registry-url", url]) == 1
     out, err = capsys.readouterr()
-    assert "its constant: dynamic with budget_action 1" in out
+    assert "its constant: the budget network that always takes hold" in out
     assert "does not beat its own constant" in err
     assert reg.alias_version("hold") is None
