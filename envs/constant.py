@@ -9,23 +9,31 @@ the median of each knob; ``paired_margin`` is the mean per-item difference of ep
 percentile bootstrap interval over items (``scipy.stats.bootstrap``). The network beats its constant only when
 the interval lies above zero; a network that ignores its input scores exactly its constant (margin 0).
 
-Budget-action networks set no knobs; they have no such constant and are not checked here.
+A budget-action network (contract / hold / expand) sets no knobs; its constant is its most frequent action taken
+every segment whatever it observes (a network with zero weights, run through the same engine path), so a network
+that ignores its input scores exactly its constant here too.
 """
 
 from __future__ import annotations
 
+import tempfile
+from collections import Counter
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from confkv.config import CachePolicy
-from confkv.controllers.learned import KNOB_NAMES, SIZE_NAMES, LearnedController, MLPPolicy
+from confkv.controllers.learned import KNOB_NAMES, SIZE_NAMES, LearnedController, MLPPolicy, apply_budget_action
+from confkv.controllers.observation import OBS_NAMES, obs_dim
 from envs.env import RewardWeights
 from envs.episodes import Episode, TuneData
 from envs.evaluate import evaluate_policy
 
 CONFIDENCE = 0.95
+BUDGET_ENTRY = OBS_NAMES.index("budget")
 RESAMPLES = 2000
 
 
@@ -45,28 +53,42 @@ class RecordingPolicy(MLPPolicy):
         return action
 
 
-def is_knobs_network(policy: CachePolicy) -> bool:
-    """Whether ``policy`` runs an exported network that sets the rule's knobs (the ones checked here)."""
-    return policy.controller == "learned" and MLPPolicy.load(policy.learned_path).action == "knobs"
+def is_network(policy: CachePolicy) -> bool:
+    """Whether ``policy`` runs an exported network (knobs or budget actions): the policies checked here."""
+    return policy.controller == "learned"
+
+
+def applied_budget(obs: np.ndarray, action: int, controller: LearnedController) -> float:
+    """The budget a budget action applied: the budget it observed (entry ``budget``, normalised over the
+    controller's range) moved as ``apply_budget_action`` moves it."""
+    lo, hi = controller.budget_range
+    return apply_budget_action(lo + float(obs[BUDGET_ENTRY]) * max(1.0, hi - lo), int(action), controller.policy)
 
 
 def evaluate_with_actions(
     data: TuneData, policy: CachePolicy, weights: RewardWeights, episodes: list[Episode] | None = None,
     label: str | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, float]]]:  # fmt: skip
-    """``evaluate_policy`` of a learned knobs policy, plus the knobs of every decision its network took."""
+    """``evaluate_policy`` of a learned policy, plus every decision its network took: the knobs it set, or for a
+    budget network ``{"budget": the budget it applied}``."""
     recorder = RecordingPolicy.wrap(MLPPolicy.load(policy.learned_path))
     controller = LearnedController(policy, recorder)
-    assert controller.space is not None
     metrics = evaluate_policy(data, policy, weights, episodes, label=label, controller=controller)
+    if controller.space is None:
+        return metrics, [{"budget_action": int(a), "budget": applied_budget(o, a, controller)}  # type: ignore[arg-type]
+                         for o, a in recorder.seen]  # fmt: skip
     return metrics, [controller.space.knobs(a) for _, a in recorder.seen]
 
 
 def median_knobs(decisions: list[dict[str, float]], policy: CachePolicy) -> dict[str, float]:
     """The median of each knob over ``decisions`` (sizes in whole blocks, ``max_size >= base_size``); a knob the
-    network does not set keeps ``policy``'s value."""
+    network does not set keeps ``policy``'s value. Budget decisions give their most frequent action (ties: the
+    smallest, contract before hold before expand)."""
     if not decisions:
         raise ValueError("the network took no decision on these items")
+    if "budget_action" in decisions[0]:
+        counts = Counter(int(d["budget_action"]) for d in decisions)
+        return {"budget_action": max(sorted(counts), key=lambda a: counts[a])}
     out: dict[str, float] = {}
     for name in KNOB_NAMES:
         if name in decisions[0]:
@@ -82,8 +104,34 @@ def median_knobs(decisions: list[dict[str, float]], policy: CachePolicy) -> dict
 
 
 def own_constant(policy: CachePolicy, knobs: dict[str, float]) -> CachePolicy:
-    """The plain ``dynamic`` rule of ``policy`` with ``knobs`` held constant."""
+    """The plain ``dynamic`` rule of ``policy`` with ``knobs`` held constant; for a budget network
+    (``budget_action``), the network that takes that action whatever it observes."""
+    if "budget_action" in knobs:
+        return blind_budget_policy(policy, int(knobs["budget_action"]))
     return policy.replace(controller="dynamic", learned_path=None, **knobs)
+
+
+BUDGET_ACTIONS = ("contract", "hold", "expand")
+
+
+def constant_text(knobs: dict[str, float]) -> str:
+    """How a report names a learned policy's constant."""
+    if "budget_action" in knobs:
+        return f"the budget network that always takes {BUDGET_ACTIONS[int(knobs['budget_action'])]}"
+    return "dynamic with " + ", ".join(f"{k} {v:g}" for k, v in knobs.items())
+
+
+def blind_budget_policy(policy: CachePolicy, action: int) -> CachePolicy:
+    """``policy``'s budget network replaced by one with zero weights that always takes ``action`` (saved in a
+    temporary folder, which the returned policy points at)."""
+    mlp = MLPPolicy.load(policy.learned_path)
+    bias = torch.zeros(3)
+    bias[action] = 1.0
+    blind = MLPPolicy(layers=[(torch.zeros(3, obs_dim(mlp.obs_version)), bias, "none")], action="budget",
+                      obs_version=mlp.obs_version)  # fmt: skip
+    folder = Path(tempfile.mkdtemp(prefix="confkv-constant-"))
+    blind.save(folder, policy)
+    return policy.replace(learned_path=str(folder))
 
 
 @dataclass
@@ -147,7 +195,7 @@ class ConstantCheck:
 def check_against_constant(
     data: TuneData, policy: CachePolicy, weights: RewardWeights, seed: int = 0, label: str = "learned"
 ) -> ConstantCheck:
-    """Evaluate a learned knobs policy, derive its own constant from its decisions, evaluate that, and pair them."""
+    """Evaluate a learned policy, derive its own constant from its decisions, evaluate that, and pair them."""
     learned, decisions = evaluate_with_actions(data, policy, weights, label=f"evaluate {label}")
     knobs = median_knobs(decisions, policy)
     constant = evaluate_policy(data, own_constant(policy, knobs), weights, label=f"evaluate {label}'s constant")

@@ -35,6 +35,13 @@ def seeing_network(where: Path) -> Path:
     return MLPPolicy(layers=layers, action="knobs").save(where, BASE)
 
 
+def blind_budget_network(where: Path, action: int) -> Path:
+    """A budget network that ignores its input: contract (0), hold (1) or expand (2) whatever it observes."""
+    bias = torch.zeros(3)
+    bias[action] = 1.0
+    return MLPPolicy(layers=[(torch.zeros(3, OBS_DIM), bias, "none")], action="budget").save(where, BASE)
+
+
 def test_paired_margin_and_median_knobs():
     a = [{"item": f"i{k}", "reward": 1.0 + 0.1 * k} for k in range(8)]
     b = [{"item": f"i{k}", "reward": 0.5 + 0.1 * k + (0.05 if k % 2 else -0.05)} for k in range(8)]
@@ -114,3 +121,31 @@ def test_recording_the_decisions_changes_nothing_the_network_does(tmp_path):
     assert [r["reward"] for r in recorded["per_episode"]] == [r["reward"] for r in plain["per_episode"]]
     assert len(decisions) >= sum(r["segments"] for r in plain["per_episode"]) - len(plain["per_episode"])
     assert len({d["entropy_threshold"] for d in decisions}) > 2  # it acts on what it sees
+
+
+def test_a_budget_network_is_checked_against_its_most_frequent_action_held_constant(tmp_path, monkeypatch, capsys):
+    ties = [{"budget_action": a} for a in (2, 0, 2, 0, 1)]
+    assert median_knobs(ties, BASE) == {"budget_action": 0}  # a tie goes to the smallest action
+    assert median_knobs([{"budget_action": a} for a in (2, 2, 1)], BASE) == {"budget_action": 2}
+    monkeypatch.chdir(tmp_path)
+    expand = blind_budget_network(tmp_path / "expand", 2)
+    args = ["compare", "--model", "tiny-random", "--workload", "prose", "--items-scale", "2", "--policy",
+            f"expand={expand}", "--out", "cmp", "--no-mlflow"]  # fmt: skip
+    assert tune_main(args) == 0
+    assert "| expand constant | learned |" in capsys.readouterr().out
+    check = json.loads((tmp_path / "cmp" / "state_dependence.json").read_text())["expand"]
+    # a network that expands whatever it sees is its own constant: margin exactly 0
+    assert check["decisions"] > 4 and check["knobs"] == {"budget_action": 2}
+    assert check["margins"]["constant"] == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "items": 4, "above_zero": False}
+
+
+def test_the_gate_refuses_a_budget_network_that_ignores_its_input(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path}/reg.db"
+    reg = Registry(url)
+    # a network that holds whatever it sees: its constant is itself
+    reg.register("hold", blind_budget_network(tmp_path / "hold", 1), model="tiny-random")
+    assert tune_main(["promote", "hold", "1", "--check", "prose", "--registry-url", url]) == 1
+    out, err = capsys.readouterr()
+    assert "its constant: the budget network that always takes hold" in out
+    assert "does not beat its own constant" in err
+    assert reg.alias_version("hold") is None

@@ -92,8 +92,10 @@ class GateResult:
             b = _fmt(self.current.metrics.get(key)) if self.current else "-"
             lines.append(f"{key:<14}{a:>18}{b:>22}")
         if self.constant is not None:
-            knobs = ", ".join(f"{k} {v:g}" for k, v in self.constant.knobs.items())
-            lines.append(f"its constant: dynamic with {knobs}: reward {self.constant.constant['reward']:.4f}")
+            from envs.constant import constant_text
+
+            lines.append(f"its constant: {constant_text(self.constant.knobs)}: reward "
+                         f"{self.constant.constant['reward']:.4f}")  # fmt: skip
         lines.append(self.verdict())
         return "\n".join(lines)
 
@@ -120,7 +122,7 @@ def run_gate(
     sizes: dict[str, dict[str, Any]] | None = None,
 ) -> GateResult:
     """Evaluate the candidate and the alias's current version on ``workload``'s held-out split; record both."""
-    from envs.constant import check_against_constant, is_knobs_network
+    from envs.constant import check_against_constant, is_network
     from envs.env import RewardWeights
     from envs.episodes import TUNE_WORKLOADS, build_episodes
     from envs.evaluate import evaluate_policy
@@ -142,7 +144,7 @@ def run_gate(
     def side(version: int, against_constant: bool = False) -> GateSide:
         _, policy, _ = registry.load(name, version)
         extra: dict[str, Any] = {}
-        if against_constant and is_knobs_network(policy):
+        if against_constant and is_network(policy):
             checks[version] = check = check_against_constant(data, policy, weights, seed, label=f"v{version}")
             metrics, extra = check.learned, {"state_dependence": check.to_dict()}
         else:

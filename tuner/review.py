@@ -54,7 +54,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from confkv.calibration import calibrated_thresholds
-    from envs.constant import evaluate_with_actions, is_knobs_network
+    from envs.constant import evaluate_with_actions, is_network
     from envs.evaluate import evaluate_policy
     from tuner.tracking import check_tracking_uri, metric_key
 
@@ -88,7 +88,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         with stage("compare", total=len(named), unit="policies") as progress:
             for name, policy in named:
                 label = f"evaluate {name}"
-                if name in given and is_knobs_network(policy):  # its decisions make its own constant
+                if name in given and is_network(policy):  # its decisions make its own constant
                     full, decisions[name] = evaluate_with_actions(data, policy, reward_weights(args), label=label)
                 else:
                     full = evaluate_policy(data, policy, reward_weights(args), label=label)
@@ -145,19 +145,20 @@ def state_dependence(
     data: Any, args: argparse.Namespace, policies: dict[str, CachePolicy], decisions: dict[str, list[dict[str, float]]],
     per_episode: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], rules: list[str],
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Each learned knobs policy against its own constant (the ``dynamic`` rule with the network's median knobs over
-    the decisions it took here, evaluated and added to ``rows`` as ``NAME constant``) and against every rule policy
-    named with ``--policy`` (an Optuna result): per-item reward margins with 95% bootstrap intervals over items."""
+    """Each learned policy against its own constant (the ``dynamic`` rule with the network's median knobs over the
+    decisions it took here, or a budget network's most frequent action taken every segment, evaluated and added to
+    ``rows`` as ``NAME constant``) and against every rule policy named with ``--policy`` (an Optuna result):
+    per-item reward margins with 95% bootstrap intervals over items."""
     from envs.constant import median_knobs, own_constant, paired_margin
     from envs.evaluate import evaluate_policy
 
     checks: dict[str, dict[str, Any]] = {}
     for name, seen in decisions.items():
         knobs = median_knobs(seen, policies[name])
-        constant = evaluate_policy(data, own_constant(policies[name], knobs), reward_weights(args),
-                                   label=f"evaluate {name}'s constant")  # fmt: skip
+        fixed = own_constant(policies[name], knobs)
+        constant = evaluate_policy(data, fixed, reward_weights(args), label=f"evaluate {name}'s constant")
         m = summary_of(constant)
-        rows.append({"policy": f"{name} constant", "controller": "dynamic", **m,
+        rows.append({"policy": f"{name} constant", "controller": fixed.controller, **m,
                      "retrieval_lost": bool(lost_retrieval(m))})  # fmt: skip
         margins = {"constant": paired_margin(per_episode[name], constant["per_episode"], seed=args.seed).to_dict()}
         for other in rules:
@@ -173,15 +174,21 @@ def state_dependence_lines(checks: dict[str, dict[str, Any]]) -> list[str]:
     """The report's section on whether each learned policy uses what it sees."""
     if not checks:
         return []
+    from envs.constant import BUDGET_ACTIONS
+
     ci = lambda m: f"{m['mean']:+.4f} [{m['lo']:+.4f}, {m['hi']:+.4f}]" if m["lo"] is not None else f"{m['mean']:+.4f}"  # noqa: E731
     lines = ["", "## State dependence: each learned policy against its own constant", "",
              "Its constant is the plain `dynamic` rule with the network's median knobs over the decisions it took on "
-             "these items (row `NAME constant` above). Margin: mean per-item reward difference, 95% bootstrap "
-             "interval over items; a network that uses what it sees beats its constant with the interval above 0.",
+             "these items (a budget network: its most frequent action, taken every segment; row `NAME constant` "
+             "above). "
+             "Margin: mean per-item reward difference, 95% bootstrap interval over items; a network that uses what "
+             "it sees beats its constant with the interval above 0.",
              "", "| policy | decisions | its constant's knobs | margin over its constant | beats it | other margins |",
              "|:---|---:|:---|---:|:---|:---|"]  # fmt: skip
     for name, c in checks.items():
         knobs = ", ".join(f"{k} {v:g}" for k, v in c["knobs"].items())
+        if "budget_action" in c["knobs"]:
+            knobs = f"always {BUDGET_ACTIONS[int(c['knobs']['budget_action'])]}"
         m = c["margins"]["constant"]
         others = "; ".join(f"vs {o}: {ci(v)}" for o, v in c["margins"].items() if o != "constant") or "-"
         lines.append(f"| {name} | {c['decisions']} | {knobs} | {ci(m)} | {'yes' if m['above_zero'] else '**no**'} | "
