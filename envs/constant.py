@@ -16,6 +16,8 @@ that ignores its input scores exactly its constant here too.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field, fields
@@ -123,13 +125,14 @@ def constant_text(knobs: dict[str, float]) -> str:
 
 def blind_budget_policy(policy: CachePolicy, action: int) -> CachePolicy:
     """``policy``'s budget network replaced by one with zero weights that always takes ``action`` (saved in a
-    temporary folder, which the returned policy points at)."""
+    temporary folder, which the returned policy points at and which is removed when the process exits)."""
     mlp = MLPPolicy.load(policy.learned_path)
     bias = torch.zeros(3)
     bias[action] = 1.0
     blind = MLPPolicy(layers=[(torch.zeros(3, obs_dim(mlp.obs_version)), bias, "none")], action="budget",
                       obs_version=mlp.obs_version)  # fmt: skip
     folder = Path(tempfile.mkdtemp(prefix="confkv-constant-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     blind.save(folder, policy)
     return policy.replace(learned_path=str(folder))
 
