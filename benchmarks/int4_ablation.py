@@ -10,10 +10,16 @@ block, an open block's keys left exact until it fills (KIVI's float tail); ``kon
 ``vonly``: only the values, per token; ``vg32``: only the values, per token in groups of 32 channels;
 ``kivi_vg32``: ``kivi`` with values in groups of 32. This is a measurement aid, not the engine's path:
 ``kv_cache_dtype: int4`` itself is measured by ``benchmarks/kv_dtypes.py``.
+
+``--windows 0,16,32,64``: a float window of the last R tokens (HF ``QuantizedCache``'s and KIVI's residual length):
+keys per channel of a block and values per token in groups of 32 (the engine's int4), but a block is rounded only
+once R tokens have been written after it, so the open block and the R tokens before it stay exact (R = 0: only the
+open block). Each item is scored alone (the window follows one sequence's writes) and the NLL pooled over items.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -64,9 +70,38 @@ def fake_store(mode: str):
     return store
 
 
+def window_store(window: int):
+    """Round a block's keys (per channel) and values (groups of 32) once ``window`` tokens follow it; one
+    sequence at a time (the pool allocates its blocks in order, so full blocks are rounded oldest first)."""
+    full: dict[int, list[int]] = {}
+
+    def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        _STORE(pool, layer, slots, k, v)
+        bs = pool.block_size
+        queue = full.setdefault(layer, [])
+        queue.extend((slots[(slots % bs) == bs - 1] // bs).tolist())
+        while len(queue) > window // bs:
+            rows = slice(queue[0] * bs, (queue.pop(0) + 1) * bs)
+            pool.k[layer, rows] = _per_channel(pool.k[layer, rows].float()).to(pool.k.dtype)
+            pool.v[layer, rows] = _per_group(pool.v[layer, rows].float()).to(pool.v.dtype)
+
+    return store
+
+
+def pooled(args, loaded, items) -> float:
+    """Perplexity over all items' tokens, each item scored by its own engine."""
+    nll = n = 0.0
+    for item in items:
+        ppl, count, _, _ = perplexity(args, loaded, "auto", [item])
+        nll += math.log(ppl) * count
+        n += count
+    return math.exp(nll / n)
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--modes", default="token,kivi,konly,vonly")
+    p.add_argument("--windows", default="", help="float windows R (tokens, multiples of the block) to measure")
     args = p.parse_args()
     device, env = setup(args)
     loaded = load(args, device)
@@ -75,11 +110,16 @@ def main() -> None:
     base, n, _, _ = perplexity(args, loaded, "auto", items)
     result: dict = {**env, "ppl_tokens": n, "auto_ppl": base}
     try:
-        for mode in args.modes.split(","):
+        for mode in filter(None, args.modes.split(",")):
             BlockPool.store = fake_store(mode)
             ppl, _, _, _ = perplexity(args, loaded, "auto", items)
             result[f"{mode}_ppl"] = ppl
             result[f"{mode}_ppl_delta_pct"] = 100 * (ppl / base - 1)
+        for window in filter(None, args.windows.split(",")):
+            BlockPool.store = window_store(int(window))
+            ppl = pooled(args, loaded, items)
+            result[f"window{window}_ppl"] = ppl
+            result[f"window{window}_ppl_delta_pct"] = 100 * (ppl / base - 1)
     finally:
         BlockPool.store = _STORE
     result["seconds"] = round(time.perf_counter() - t0, 1)

@@ -47,6 +47,7 @@ class CacheManager(SessionContinuation):
         self.host = host
         #: Low-precision device copies of evicted blocks, for policies with ``demote_dtype``.
         self.demoted = demoted or DemotedTier(pool.block_size, pool.device)
+        pool.count_outside(lambda: self.demoted.used_bytes)  # the copies take from the pool's budget
         self.scaling = scaling
         self._seqs: dict[int, SequenceKV] = {}
         # engine-wide counters (for metrics)
@@ -110,6 +111,14 @@ class CacheManager(SessionContinuation):
     def blocks_needed(self, kv: SequenceKV, n_new: int) -> int:
         return kv.table.blocks_for(kv.table.num_tokens + n_new) - len(kv.table)
 
+    def room_needed(self, kv: SequenceKV, n_new: int) -> int:
+        """Free blocks (``num_free``) a step of ``n_new`` tokens takes: its new blocks, and, where it leaves a block
+        open that was not (per-channel int4 keys), the blocks' worth of that block's float copy."""
+        bs, n = self.block_size, kv.table.num_tokens
+        opens = self.pool.open_copy_bytes and (n + n_new) % bs and not n % bs
+        copy = -(-self.pool.open_copy_bytes // self.pool.bytes_per_block) if opens else 0
+        return self.blocks_needed(kv, n_new) + copy
+
     def reserve(self, kv: SequenceKV, n_new: int) -> Reservation:
         """Give the next ``n_new`` tokens slots; the caller has checked ``blocks_needed`` against free blocks."""
         undo = Reservation(len(kv.table.entries), kv.table.num_tokens)
@@ -137,21 +146,41 @@ class CacheManager(SessionContinuation):
     def projected_blocks(
         self, kv: SequenceKV, total_tokens: int, prompt_tokens: int, chunk: int, step_tokens: int = 1
     ) -> int:
-        """Most device blocks the sequence can hold until its budget next changes (what admission reserves).
+        """Most device blocks the sequence can hold until its budget next changes (what admission reserves), with
+        the bytes it may keep beside the pool counted as blocks (``outside_blocks``).
 
         ``total_tokens`` is the longest the sequence can become, ``chunk`` the largest prefill chunk it may be given,
         ``step_tokens`` what one step adds once the prompt is read (one token; a chunk when teacher-forced). A
         policy that keeps everything needs its whole length; an evicting one its budget plus one step.
         """
         table, c, bs = kv.table, kv.controller, self.block_size
+        outside = self.outside_blocks(kv, total_tokens)
         if not c.evicts:
-            return table.blocks_for(total_tokens)
+            return table.blocks_for(total_tokens) + outside
         if table.num_tokens < prompt_tokens:  # still reading the prompt
             keep = min(self.prefill_keep(kv), kv.cap) + chunk
         else:
             floor = math.ceil(c.sink_tokens / bs) * bs + c.protected_recent + bs  # what eviction cannot go below
             keep = max(kv.budget, floor) + step_tokens
-        return min(table.blocks_for(total_tokens), table.blocks_for(math.ceil(keep)) + 1)
+        return min(table.blocks_for(total_tokens), table.blocks_for(math.ceil(keep)) + 1) + outside
+
+    def outside_blocks(self, kv: SequenceKV, total_tokens: int) -> int:
+        """Blocks' worth of device bytes a sequence may keep outside the pool: its open block's float copy of
+        per-channel keys (one open block at a time), and, under ``demote_dtype``, a demoted copy of every block
+        eviction may take (all but the floor: sinks and the protected recent tokens)."""
+        pool, c = self.pool, kv.controller
+        outside = pool.open_copy_bytes
+        if c.evicts and c.policy.demote_dtype != "none":
+            floor = kv.table.blocks_for(min(total_tokens, self.floor_tokens(kv)))
+            evictable = max(0, kv.table.blocks_for(total_tokens) - floor)
+            outside += evictable * self.demoted_block_bytes(c.policy.demote_dtype)
+        return -(-outside // pool.bytes_per_block)
+
+    def demoted_block_bytes(self, dtype: str) -> int:
+        """Bytes of one block's demoted copy (K and V, every layer) at ``dtype``."""
+        pool = self.pool
+        row = self.demoted.codec_named(dtype).row_bytes(pool.head_dim)
+        return 2 * pool.num_layers * self.block_size * pool.num_kv_heads * row
 
     # ------------------------------------------------------------------------------------------------- eviction
     def after_step(
@@ -396,8 +425,11 @@ class CacheManager(SessionContinuation):
             by_vote = sorted(range(len(resident)), key=lambda j: (-voted[j], -candidates[j]))
             chosen.update([j for j in by_vote if j not in chosen][: keep - len(chosen)])
         evict = [candidates[j] for j in range(len(resident)) if j not in chosen]
-        room = self.pool.num_free + len(evict)  # what the device can take once the others have left
-        back = sorted([candidates[j] for j in picked if j >= len(resident)][:room])
+        # what the device can take once the others have left (less their demoted copies, which join the budget)
+        room = self.pool.num_free + len(evict)
+        if evict and (demote := kv.controller.policy.demote_dtype) != "none":
+            room -= -(-len(evict) * self.demoted_block_bytes(demote) // self.pool.bytes_per_block)
+        back = sorted([candidates[j] for j in picked if j >= len(resident)][: max(0, room)])
         self.reselections += 1
         top = float(view.mass.max()) if resident else 0.0
         record = {candidates[j]: top + score[j] / bs for j in picked}  # per token of each picked block

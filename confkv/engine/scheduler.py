@@ -260,9 +260,9 @@ class Scheduler:
                 continue
             else:
                 n = min(seq.num_uncomputed, budget)
-            if manager.blocks_needed(seq.kv, n) > pool.num_free:
-                self.reclaim(manager.blocks_needed(seq.kv, n) - pool.num_free)
-            while manager.blocks_needed(seq.kv, n) > pool.num_free:
+            if manager.room_needed(seq.kv, n) > pool.num_free:
+                self.reclaim(manager.room_needed(seq.kv, n) - pool.num_free)
+            while manager.room_needed(seq.kv, n) > pool.num_free:
                 if len(self.running) == 1:  # alone and still too big: it can never run
                     self.running.remove(seq)
                     out.failed.append((seq, self._too_big(seq)))
@@ -298,19 +298,19 @@ class Scheduler:
             swapped = len(seq.swapped or ())
             if self.admission == "on_demand":
                 # its next chunk (and its blocks on the host), and a block for every running sequence's next step
-                need = swapped + manager.blocks_needed(seq.kv, n)
+                need = swapped + manager.room_needed(seq.kv, n)
                 over = pool.num_used + need + len(self.running) - limit
                 if self.running and over > 0 and self.reclaim(over) < over:  # parked sessions leave first
                     break
             elif self.running and committed + need > limit:
                 break
-            if swapped + manager.blocks_needed(seq.kv, n) > pool.num_free:
-                self.reclaim(swapped + manager.blocks_needed(seq.kv, n) - pool.num_free)
-            if swapped + manager.blocks_needed(seq.kv, n) > pool.num_free:
+            if swapped + manager.room_needed(seq.kv, n) > pool.num_free:
+                self.reclaim(swapped + manager.room_needed(seq.kv, n) - pool.num_free)
+            if swapped + manager.room_needed(seq.kv, n) > pool.num_free:
                 break
             if seq.swapped is not None and not self._swap_in(seq):  # recomputed from its first token instead
                 n = min(seq.num_uncomputed, budget) if not seq.scored else self._scored_chunk(seq)
-                if manager.blocks_needed(seq.kv, n) > pool.num_free:
+                if manager.room_needed(seq.kv, n) > pool.num_free:
                     break
             self.waiting.remove(seq)
             seq.status = Status.RUNNING

@@ -8,7 +8,8 @@ not which are attended to. A recall drops the copy (the block is back at full pr
 sequence. Copies are not dropped when the host tier drops the full-precision block: they are then all that is left.
 
 The copies live outside the preallocated pool, one small tensor per block (``int4``: 36 bytes a row at head_dim 64
-against the pool's 256 in float32); ``used_bytes`` counts them and the engine reports them beside the pool's bytes.
+against the pool's 256 in float32); ``used_bytes`` counts them, the engine reports them beside the pool's bytes, and
+the pool counts them against its budget (``BlockPool.count_outside``), so admission and preemption see them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class DemotedTier:
 
     def codec(self, seq_id: int) -> KVCodec:
         return self._codecs[self._seq_codec[seq_id]]
+
+    def codec_named(self, dtype: str) -> KVCodec:
+        return self._codecs[dtype]
 
     def has_blocks(self, seq_id: int) -> bool:
         return bool(self._blocks.get(seq_id))

@@ -17,12 +17,28 @@ tiers hold the compact form too (or, with ``host_kv_dtype``, a more compact one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from confkv.errors import ConfkvError
 from confkv.kv.quant import ChannelKeyCodec, KVCodec, KVFormat
+
+
+@dataclass
+class _KeyWrite:
+    """What one forward pass's write of ``slots`` does to per-channel key blocks, the same in every layer."""
+
+    slots: torch.Tensor
+    blocks: torch.Tensor  # [nb] the blocks touched
+    rows: torch.Tensor  # [len(slots)] each slot's row in ``values`` viewed as [nb * bs, kvh, D]
+    filled: torch.Tensor  # [nb] rows written in each block after the write
+    values: torch.Tensor  # [layers, nb, bs, kvh, D] the blocks' exact keys
+    full: list[int]  # blocks the write fills
+    open: list[int]  # blocks still open after it
+    layer: int = -1  # the last layer written
 
 
 class BlockPool:
@@ -66,7 +82,12 @@ class BlockPool:
         #: Float copies of the keys of open blocks (written in part) under per-channel keys, with the rows filled:
         #: each write re-encodes the block's channel grid from these exact values (no error compounds as it fills).
         self._open: dict[int, tuple[torch.Tensor, int]] = {}
+        #: The forward pass's key write, planned at its first layer (per-channel keys only).
+        self._key_write: _KeyWrite | None = None
         self.device = torch.device(device)
+        self._block_bytes = block_size * self.fmt.bytes_per_token(num_layers, num_kv_heads)
+        #: Byte counts of device memory kept outside the preallocation on its budget (``count_outside``).
+        self._outside: list[Callable[[], int]] = []
         slots = num_blocks * block_size
         # torch.empty: pages are committed as blocks are first handed out. ``allocate`` zeroes every block it hands
         # out, because decode attention reads whole blocks, masked tails included (0 x NaN is NaN), and both
@@ -109,21 +130,43 @@ class BlockPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_block_for(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.compute_dtype, self.kv_cache_dtype
-        )
+        return self._block_bytes
 
     @property
     def bytes_per_token(self) -> int:
         return self.bytes_per_block // self.block_size
 
     @property
+    def open_copy_bytes(self) -> int:
+        """Bytes of one open block's float copy of its keys (per-channel keys only; 0 otherwise)."""
+        if not isinstance(self.fmt.k_codec, ChannelKeyCodec):
+            return 0
+        return self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * 4
+
+    def count_outside(self, source: Callable[[], int]) -> None:
+        """Count bytes that live outside the preallocation but share its budget (the demoted copies) as used."""
+        self._outside.append(source)
+
+    @property
+    def outside_bytes(self) -> int:
+        """Device bytes kept beside the pool on its budget: open blocks' float copies and what ``count_outside``
+        names."""
+        return len(self._open) * self.open_copy_bytes + sum(source() for source in self._outside)
+
+    @property
+    def outside_blocks(self) -> int:
+        """``outside_bytes`` in whole blocks: blocks of the pool those bytes keep from being handed out."""
+        return -(-self.outside_bytes // self._block_bytes)
+
+    @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that may be handed out: the free list less the blocks' worth of bytes kept outside the pool, so
+        that admission, preemption and recall count those bytes as they count blocks."""
+        return max(0, len(self._free) - self.outside_blocks)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def usage(self) -> float:
@@ -158,35 +201,55 @@ class BlockPool:
 
     def _store_channel_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
         """Per-channel keys: every block a write touches is re-encoded whole, its channel grid taken over its filled
-        rows. A block still open afterwards keeps a float copy of its keys (``_open``) so that the next write
-        re-encodes from exact values; a block written whole (a prefill chunk's) needs none. A block that left the
-        device open and came back (recall, session resume) restarts its copy from its decoded rows: only then does
-        the grid of a block's earlier tokens change by their own rounding."""
-        bs, kvh, d = self.block_size, self.num_kv_heads, self.head_dim
-        blocks, where = torch.unique(slots // bs, return_inverse=True)
+        rows, from exact values: a block open (written in part) keeps a float copy of its keys (``_open``), a block
+        written whole (a prefill chunk's) needs none. A block that left the device open and came back (recall,
+        session resume) restarts its copy from its decoded rows: only then does the grid of a block's earlier tokens
+        change by their own rounding.
+
+        A forward pass writes the same slots in every layer, so what does not depend on the layer (which blocks,
+        their rows, their exact keys in every layer) is worked out once, at its first layer (``_KeyWrite``); each
+        layer then writes its keys into that float copy and re-encodes the touched blocks."""
+        plan = self._key_write
+        if plan is None or plan.slots is not slots or layer <= plan.layer:
+            plan = self._key_write = self._plan_key_write(slots)
+        plan.layer = layer
+        values = plan.values[layer]  # [nb, bs, kvh, D]; the open blocks' copies are views of it
+        values.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, plan.rows, k.float())
+        by_block = self.k[layer].view(self.num_blocks, self.block_size, self.num_kv_heads, self.k_row)
+        by_block.index_copy_(0, plan.blocks, self.fmt.k_codec.encode(values, plan.filled))
+        if layer == self.num_layers - 1 and plan.full:  # every layer has written them: a full block's rows are final
+            for b in plan.full:
+                self._open.pop(b, None)
+            for b in plan.open:  # a copy of its own, not a view that keeps the whole write's keys alive
+                self._open[b] = (self._open[b][0].clone(), self._open[b][1])
+
+    def _plan_key_write(self, slots: torch.Tensor) -> _KeyWrite:
+        """The blocks ``slots`` touch, their exact keys in every layer (the open copy, else the decoded rows; zeros
+        for a block written whole) and their filled rows after the write; ``_open`` takes views of those keys."""
+        bs = self.block_size
+        blocks, where, counts = torch.unique(slots // bs, return_inverse=True, return_counts=True)
         ids = blocks.tolist()
-        by_block = self.k[layer].view(self.num_blocks, bs, kvh, self.k_row)
-        values = self.fmt.decode_k(by_block[blocks], torch.float32)  # [nb, bs, kvh, D]
-        for j, b in enumerate(ids):
-            if b in self._open:
-                values[j] = self._open[b][0][layer]
-        values.view(-1, kvh, d)[where * bs + slots % bs] = k.float()
         last = torch.zeros(len(ids), dtype=torch.long, device=slots.device).scatter_reduce_(
             0, where, slots % bs + 1, reduce="amax"
         )
-        filled = [max(n, self._open[b][1]) if b in self._open else n for b, n in zip(ids, last.tolist(), strict=True)]
-        by_block[blocks] = self.fmt.k_codec.encode(values, torch.tensor(filled, device=slots.device))
-        final = layer == self.num_layers - 1
-        for j, (b, n) in enumerate(zip(ids, filled, strict=True)):
-            if n < bs or (b in self._open and not final):
-                if b not in self._open:  # every layer's current keys, so later layers re-encode from them too
-                    rows = self.k[:, b * bs : (b + 1) * bs]
-                    self._open[b] = (self.fmt.decode_k(rows, torch.float32), n)
-                copy = self._open[b][0]
-                copy[layer] = values[j]
-                self._open[b] = (copy, n)
-            elif b in self._open:  # full, and every layer has written it: the rows are final
-                del self._open[b]
+        shape = (self.num_layers, len(ids), bs, self.num_kv_heads, self.head_dim)
+        values = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        stale = [j for j, (b, c) in enumerate(zip(ids, counts.tolist(), strict=True)) if b not in self._open and c < bs]
+        if stale:  # blocks with rows written before and no exact copy: their decoded rows
+            idx = torch.tensor(stale, dtype=torch.long, device=self.device)
+            by_block = self.k.view(self.num_layers, self.num_blocks, bs, self.num_kv_heads, self.k_row)
+            values[:, idx] = self.fmt.decode_k(by_block[:, blocks[idx]], torch.float32)
+        filled, full, still_open = [], [], []
+        for j, (b, n) in enumerate(zip(ids, last.tolist(), strict=True)):
+            if b in self._open:
+                values[:, j] = self._open[b][0]
+                n = max(n, self._open[b][1])
+            filled.append(n)
+            if n < bs or b in self._open:  # open blocks, and full ones until their last layer is written
+                self._open[b] = (values[:, j], n)
+            (full if n == bs else still_open).append(b)
+        rows = where * bs + slots % bs
+        return _KeyWrite(slots, blocks, rows, torch.tensor(filled, device=self.device), values, full, still_open)
 
     def dequant_k(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored key rows of whole blocks ``[..., block_size, kv_heads, row]`` (from the pool, the host tier or a
@@ -211,11 +274,10 @@ class BlockPool:
 
     def allocate(self, n: int, zero: bool = True) -> list[int]:
         """``n`` free blocks; ``zero=False`` for a caller that writes every slot of them at once (a recall)."""
-        if n > len(self._free):
+        if n > len(self._free):  # the free list itself: callers check ``num_free``, which counts outside bytes
             raise RuntimeError(f"KV pool exhausted: asked for {n} blocks, {len(self._free)} free")
         ids = [self._free.pop() for _ in range(n)]
-        for b in ids:
-            self._open.pop(b, None)
+        self._forget_open(ids)
         if ids and zero:
             slots = self.slots_of(ids)
             self.score[slots] = 0.0
@@ -224,15 +286,21 @@ class BlockPool:
         return ids
 
     def free(self, ids: list[int]) -> None:
+        self._forget_open(ids)
+        self._free.extend(ids)
+
+    def _forget_open(self, ids: list[int]) -> None:
+        """Blocks handed out, freed or overwritten: their float copies go, and no planned key write survives."""
         for b in ids:
             self._open.pop(b, None)
-        self._free.extend(ids)
+        self._key_write = None
 
     def forget_from(self, block: int, filled: int) -> None:
         """Rows ``filled`` and on of ``block`` no longer hold tokens (a session cut mid-block): an open block's
         per-channel grid is taken over its first ``filled`` rows again from the next write."""
         if block in self._open:
             self._open[block] = (self._open[block][0], filled)
+        self._key_write = None
 
     def slots_of(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
         """All slots of the given blocks, block by block."""
@@ -252,8 +320,7 @@ class BlockPool:
         )
 
     def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, score: torch.Tensor) -> None:
-        for b in block_ids:
-            self._open.pop(b, None)
+        self._forget_open(block_ids)
         slots = self.slots_of(block_ids)
         flat = (self.num_layers, len(slots), self.num_kv_heads)
         self.k[:, slots] = k.to(self.device, non_blocking=True).reshape(*flat, self.k_row)
