@@ -87,3 +87,11 @@ def hf_logprobs(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
         logits = loaded.model(torch.tensor([ids], device=loaded.model.device)).logits[0, :-1].float()
     logp = torch.log_softmax(logits, dim=-1).cpu()
     return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def data():
+    """The tuner's mixed training episodes on tiny-random (one build per test module)."""
+    from envs.episodes import build_episodes
+
+    return build_episodes("tiny-random", workload="mixed", split="train")
