@@ -28,14 +28,13 @@ import numpy as np
 import torch
 
 from confkv.config import CachePolicy
-from confkv.controllers.learned import KNOB_NAMES, SIZE_NAMES, LearnedController, MLPPolicy, apply_budget_action
-from confkv.controllers.observation import OBS_NAMES, obs_dim
+from confkv.controllers.learned import KNOB_NAMES, SIZE_NAMES, LearnedController, MLPPolicy
+from confkv.controllers.observation import obs_dim
 from envs.env import RewardWeights
 from envs.episodes import Episode, TuneData
 from envs.evaluate import evaluate_policy
 
 CONFIDENCE = 0.95
-BUDGET_ENTRY = OBS_NAMES.index("budget")
 RESAMPLES = 2000
 
 
@@ -60,25 +59,17 @@ def is_network(policy: CachePolicy) -> bool:
     return policy.controller == "learned"
 
 
-def applied_budget(obs: np.ndarray, action: int, controller: LearnedController) -> float:
-    """The budget a budget action applied: the budget it observed (entry ``budget``, normalised over the
-    controller's range) moved as ``apply_budget_action`` moves it."""
-    lo, hi = controller.budget_range
-    return apply_budget_action(lo + float(obs[BUDGET_ENTRY]) * max(1.0, hi - lo), int(action), controller.policy)
-
-
 def evaluate_with_actions(
     data: TuneData, policy: CachePolicy, weights: RewardWeights, episodes: list[Episode] | None = None,
     label: str | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, float]]]:  # fmt: skip
     """``evaluate_policy`` of a learned policy, plus every decision its network took: the knobs it set, or for a
-    budget network ``{"budget": the budget it applied}``."""
+    budget network ``{"budget_action": the action}``."""
     recorder = RecordingPolicy.wrap(MLPPolicy.load(policy.learned_path))
     controller = LearnedController(policy, recorder)
     metrics = evaluate_policy(data, policy, weights, episodes, label=label, controller=controller)
     if controller.space is None:
-        return metrics, [{"budget_action": int(a), "budget": applied_budget(o, a, controller)}  # type: ignore[arg-type]
-                         for o, a in recorder.seen]  # fmt: skip
+        return metrics, [{"budget_action": int(a)} for _, a in recorder.seen]  # type: ignore[arg-type]
     return metrics, [controller.space.knobs(a) for _, a in recorder.seen]
 
 

@@ -186,9 +186,9 @@ def state_dependence_lines(checks: dict[str, dict[str, Any]]) -> list[str]:
              "", "| policy | decisions | its constant's knobs | margin over its constant | beats it | other margins |",
              "|:---|---:|:---|---:|:---|:---|"]  # fmt: skip
     for name, c in checks.items():
-        knobs = ", ".join(f"{k} {v:g}" for k, v in c["knobs"].items())
-        if "budget_action" in c["knobs"]:
-            knobs = f"always {BUDGET_ACTIONS[int(c['knobs']['budget_action'])]}"
+        action = c["knobs"].get("budget_action")
+        knobs = f"always {BUDGET_ACTIONS[int(action)]}" if action is not None else (
+            ", ".join(f"{k} {v:g}" for k, v in c["knobs"].items()))  # fmt: skip
         m = c["margins"]["constant"]
         others = "; ".join(f"vs {o}: {ci(v)}" for o, v in c["margins"].items() if o != "constant") or "-"
         lines.append(f"| {name} | {c['decisions']} | {knobs} | {ci(m)} | {'yes' if m['above_zero'] else '**no**'} | "
