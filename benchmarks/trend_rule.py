@@ -1,6 +1,7 @@
 """Can a hand rule on the probe's feature beat every constant budget? The cheap check before training an agent.
 
     python benchmarks/trend_rule.py --workload passkey --items-scale 6 --quality-weights 2,4,6,8,12,16
+    python benchmarks/trend_rule.py --workload passkey-varied --rules "entropy_max>0.2,gap_trend>0.51"
 
 On the training and held-out items of a workload (``confkv-tune``'s episodes), measures once per item:
 
@@ -9,7 +10,9 @@ On the training and held-out items of a workload (``confkv-tune``'s episodes), m
 * agents acting in the environment with the ``budget`` action (contract / hold / expand a fifth of the way between
   the base policy's ``base_size`` and ``max_size``, the range the probe compared) and observation layout 2:
   ``hold`` (the action's own constant), ``expand`` (always), and the trend rule (expand when the observed
-  ``--feature`` exceeds a threshold, else contract), one per ``--thresholds`` value; for each, a placebo that
+  ``--feature`` exceeds a threshold, else contract), one per ``--thresholds`` value, or one per ``--rules`` entry
+  (``feature>threshold``, any layout-2 entry: ``entropy_max>0.2`` expands after a segment holding a surprise, as
+  the question of a pass key is); for each, a placebo that
   expands as often at random (the rule's rate without its timing); and schedules that contract until a position
   and expand from there (a timing fixed in advance, which a constant schedule could use as well).
 
