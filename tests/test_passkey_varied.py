@@ -32,8 +32,9 @@ def test_lengths_and_depths_are_drawn_within_their_ranges_and_differ(tok):
     lengths = [it.meta["length"] for it in got]
     depths = [it.meta["depth"] for it in got]
     assert all(250 <= n <= 600 for n in lengths) and all(0.1 <= d <= 0.9 for d in depths)
-    # the prompts end at many different positions (a grid of one length gives one), keys at many depths
-    assert len({len(it.prompt_ids) for it in got}) >= 6 and len(set(depths)) == len(got)
+    # the prompts end at several positions (a grid of one length gives one; the repeated filler makes lengths
+    # step by one repetition, 90 bytes here), keys at as many depths as items
+    assert len({len(it.prompt_ids) for it in got}) >= 3 and len(set(depths)) == len(got)
     for it in got:
         text = tok.decode(list(it.prompt_ids))
         assert abs(len(it.prompt_ids) - it.meta["length"]) <= 0.15 * it.meta["length"]
