@@ -56,7 +56,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "chat": {"n": 1, "turns": 2, "max_tokens": 24},
         "passkey": {"n": 1, "lengths": (240,), "depths": (0.5,)},
         "multikey": {"n": 1, "length": 320, "num_pairs": 2},
-        "passkey-varied": {"n": 2, "length_range": (240, 400), "depth_range": (0.1, 0.9), "filler": "repeat"},
+        "passkey-varied": {"n": 2, "length_range": (240, 560), "depth_range": (0.1, 0.9), "filler": "repeat"},
     },
 }
 #: Tokens read as a prompt before scoring starts (prose and retrieval episodes): the first decision comes early.
