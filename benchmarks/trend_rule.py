@@ -125,8 +125,8 @@ def main() -> None:
     p.add_argument("--budgets", default="128,192,256,320,384,448,512")
     p.add_argument("--feature", default="gap_trend", help="observation entry (layout 2) the rule reads")
     p.add_argument("--thresholds", default="0.5,0.51,0.52,0.54")
-    p.add_argument("--rules", default=None,
-                   help="feature>threshold,... (any layout-2 entries; replaces --feature and --thresholds)")
+    p.add_argument("--rules", default=None, help="feature>threshold,... (any layout-2 entries; replaces "
+                   "--feature and --thresholds)")  # fmt: skip
     p.add_argument("--schedules", default="400,550", help="positions from which a fixed schedule expands")
     p.add_argument("--quality-weights", default="2,4,6,8,12,16")
     p.add_argument("--json", default=None, help="write every figure here")
