@@ -1,6 +1,7 @@
 """Can a hand rule on the probe's feature beat every constant budget? The cheap check before training an agent.
 
     python benchmarks/trend_rule.py --workload passkey --items-scale 6 --quality-weights 2,4,6,8,12,16
+    python benchmarks/trend_rule.py --workload passkey-varied --rules "entropy_max>0.2,gap_trend>0.51"
 
 On the training and held-out items of a workload (``confkv-tune``'s episodes), measures once per item:
 
@@ -9,7 +10,9 @@ On the training and held-out items of a workload (``confkv-tune``'s episodes), m
 * agents acting in the environment with the ``budget`` action (contract / hold / expand a fifth of the way between
   the base policy's ``base_size`` and ``max_size``, the range the probe compared) and observation layout 2:
   ``hold`` (the action's own constant), ``expand`` (always), and the trend rule (expand when the observed
-  ``--feature`` exceeds a threshold, else contract), one per ``--thresholds`` value; for each, a placebo that
+  ``--feature`` exceeds a threshold, else contract), one per ``--thresholds`` value, or one per ``--rules`` entry
+  (``feature>threshold``, any layout-2 entry: ``entropy_max>0.2`` expands after a segment holding a surprise, as
+  the question of a pass key is); for each, a placebo that
   expands as often at random (the rule's rate without its timing); and schedules that contract until a position
   and expand from there (a timing fixed in advance, which a constant schedule could use as well).
 
@@ -83,8 +86,20 @@ def mean_reward(rows: list[dict[str, Any]], q: float) -> float:
     return float(np.mean([r["reward"] for r in reweigh(rows, q)]))
 
 
+def parse_rules(spec: str, names: tuple[str, ...]) -> list[tuple[str, int, float]]:
+    """``--rules``: comma-separated ``feature>threshold`` (observation layout 2's entry names), as
+    ``(label, entry index, threshold)``."""
+    rules = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        feature, sep, threshold = part.partition(">")
+        if not sep or feature not in names:
+            raise SystemExit(f"--rules takes feature>threshold with a feature of {', '.join(names)} (got {part!r})")
+        rules.append((f"{feature} > {float(threshold):g}", names.index(feature), float(threshold)))
+    return rules
+
+
 def measure(
-    data: Any, budgets: list[int], feature: int, thresholds: list[float], schedules: list[int], seed: int
+    data: Any, budgets: list[int], rules: list[tuple[str, int, float]], schedules: list[int], seed: int
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     base = data.base_policy
     out: dict[str, dict[str, Any]] = {}
@@ -92,10 +107,10 @@ def measure(
         out[f"fixed {b}"] = evaluate_policy(data, base.replace(base_size=b, max_size=b), UNIT, label=f"fixed {b}")
     out["hold"] = evaluate_agent(data, lambda _obs: HOLD, "budget", UNIT)
     out["expand"] = evaluate_agent(data, lambda _obs: EXPAND, "budget", UNIT)
-    for t in thresholds:
+    for label, feature, t in rules:
         rule = Counted(trend_rule(feature, t))
-        out[f"rule > {t:g}"] = {**evaluate_agent(data, rule, "budget", UNIT), "expand_share": rule.share}
-        out[f"placebo {rule.share:.2f}"] = evaluate_agent(data, placebo(rule.share, seed), "budget", UNIT)
+        out[f"rule {label}"] = {**evaluate_agent(data, rule, "budget", UNIT), "expand_share": rule.share}
+        out[f"placebo {rule.share:.2f} ({label})"] = evaluate_agent(data, placebo(rule.share, seed), "budget", UNIT)
     for after in schedules:
         out[f"expand from {after}"] = evaluate_agent(data, schedule(after), "budget", UNIT)
     return out
@@ -110,6 +125,8 @@ def main() -> None:
     p.add_argument("--budgets", default="128,192,256,320,384,448,512")
     p.add_argument("--feature", default="gap_trend", help="observation entry (layout 2) the rule reads")
     p.add_argument("--thresholds", default="0.5,0.51,0.52,0.54")
+    p.add_argument("--rules", default=None, help="feature>threshold,... (any layout-2 entries; replaces "
+                   "--feature and --thresholds)")  # fmt: skip
     p.add_argument("--schedules", default="400,550", help="positions from which a fixed schedule expands")
     p.add_argument("--quality-weights", default="2,4,6,8,12,16")
     p.add_argument("--json", default=None, help="write every figure here")
@@ -117,9 +134,8 @@ def main() -> None:
     names = obs_names(2)
     if args.feature not in names:
         raise SystemExit(f"unknown feature {args.feature!r}; choose one of {', '.join(names)}")
-    feature = names.index(args.feature)
+    rules = parse_rules(args.rules or ",".join(f"{args.feature}>{t}" for t in args.thresholds.split(",")), names)
     budgets = [int(b) for b in args.budgets.split(",")]
-    thresholds = [float(t) for t in args.thresholds.split(",")]
     qs = [float(q) for q in args.quality_weights.split(",")]
     sizes = scaled_sizes(args.model, args.items_scale)
     results: dict[str, dict[str, dict[str, Any]]] = {}
@@ -132,7 +148,7 @@ def main() -> None:
         print(f"{split}: {len(data.episodes)} episodes, base policy base {data.base_policy.base_size} "
               f"max {data.base_policy.max_size}", flush=True)  # fmt: skip
         schedules = [int(a) for a in args.schedules.split(",") if a]
-        results[split] = measure(data, budgets, feature, thresholds, schedules, args.seed)
+        results[split] = measure(data, budgets, rules, schedules, args.seed)
     report(results, qs)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=float))

@@ -10,7 +10,8 @@ observation and decision, then:
   shuffles. A group the network ignores changes nothing; the groups are the position, the budget and resident
   fraction, the latest segment's confidence statistics (entropy, gap, top-1, uncertain share) and layout 2's
   history (their recent means and trends);
-* **decisions by position**: the share of expand / hold / contract decisions per position band;
+* **decisions by position**: the share of expand / hold / contract decisions per position band, and on
+  ``passkey-varied`` by how many segments before the answer they come (the last one has read the question);
 * **against blind timings**, on the same items and reward: schedules that contract until a position and expand
   from there (``benchmarks/trend_rule.py``'s), and a placebo that expands at random as often as the network does;
   per-item margins with 95% bootstrap intervals.
@@ -51,6 +52,25 @@ def permutation_changes(mlp: MLPPolicy, obs: np.ndarray, actions: np.ndarray, co
         shuffled[:, cols] = obs[rng.permutation(len(obs))][:, cols]
         changed.append(np.mean([mlp.act(o) != a for o, a in zip(shuffled, actions, strict=True)]))
     return float(np.mean(changed))
+
+
+def segments_before_answer(positions: np.ndarray, prompt_lens: list[int], chunk: int) -> np.ndarray:
+    """For each decision (its observation's position, in tokens), how many segments before its item's answer it
+    comes: 1 is the decision taken after the question has been read (``passkey-varied`` starts the answer's segment
+    at a decision); 0 where the decisions of the batch cannot be told apart.
+
+    The engine asks the network for all items of a batch in turn, so a decision is matched to its item by position:
+    an item's decisions lie a whole number of segments before its answer, at the same offset for every item whose
+    answer starts a segment (read from the longest item, whose last decision is the latest of all); a decision that
+    two items of different lengths could own is left out (0).
+    """
+    offset = max(prompt_lens) - int(positions.max())  # the longest item's last decision is the latest of all
+    out = np.zeros(len(positions), dtype=int)
+    for i, at in enumerate(positions):
+        owners = {n for n in prompt_lens if n > at and int(n - at) % chunk == offset}
+        if len(owners) == 1:
+            out[i] = (owners.pop() - int(at) - offset) // chunk + 1
+    return out
 
 
 def schedule(position: int, after: int) -> Callable[[np.ndarray], int]:
@@ -107,6 +127,19 @@ def main() -> None:
             c = Counter(sel.tolist())
             print(f"| {lo}-{hi} | {sel.size} | {100 * c[EXPAND] / sel.size:.0f} | {100 * c[HOLD] / sel.size:.0f} | "
                   f"{100 * c[CONTRACT] / sel.size:.0f} |")  # fmt: skip
+
+    if data.workload == "passkey-varied":
+        lens = [ep.prompt_len for ep in data.episodes]
+        before = segments_before_answer(pos, lens, data.base_policy.compact_interval)
+        print("\n| segments before the answer (1: the decision after the question) | decisions | expand % | hold % | "
+              "contract % |\n|:---|---:|---:|---:|---:|")  # fmt: skip
+        for label, sel in (("1", before == 1), ("2", before == 2), ("3", before == 3), ("4 or more", before >= 4),
+                           ("not told apart", before == 0)):  # fmt: skip
+            chosen = actions[sel]
+            if chosen.size:
+                c = Counter(chosen.tolist())
+                print(f"| {label} | {chosen.size} | {100 * c[EXPAND] / chosen.size:.0f} | "
+                      f"{100 * c[HOLD] / chosen.size:.0f} | {100 * c[CONTRACT] / chosen.size:.0f} |")  # fmt: skip
 
     print("\n| blind timing | KV % | KL | pass keys % | reward | network's margin [95% CI] |")
     print("|:---|---:|---:|---:|---:|---:|")

@@ -8,7 +8,12 @@ forward pass per segment and every policy sees exactly the same tokens:
 * ``passkey`` and ``multikey`` (retrieval): the prompt followed by the true answer, scored from the prompt's 64th
   token like prose, so the agent acts segment by segment while the haystack and the question are read, and before
   the answer; the episode's task is solved when every answer token is the policy's top-1 choice (what greedy
-  decoding would have produced).
+  decoding would have produced);
+* ``passkey-varied``: pass keys as above, each item's length and key depth drawn from ranges (384-1024 tokens,
+  depths 0.1-0.9), so the question comes at a different decision in every item and a schedule fixed in advance
+  cannot know when. Scoring starts 64 to 113 tokens in, so that the answer starts a segment and the decision
+  before it has read the question (``answer_aligned_start``). Its episodes are scored and counted as pass keys
+  (``Episode.workload`` is ``passkey``).
 
 The ``mixed`` workload holds all five. Items come from ``confkv.bench.workloads`` with their train/heldout split,
 and references from the on-disk store shared with ``confkv bench``.
@@ -28,8 +33,12 @@ from confkv.model_loader import LoadedModel, load_model
 from confkv.progress import stage
 from confkv.scoring import ScoreItem
 
-TUNE_WORKLOADS = ("mixed", "prose", "longgen", "chat", "passkey", "multikey")
-RETRIEVAL = ("passkey", "multikey")
+TUNE_WORKLOADS = ("mixed", "prose", "longgen", "chat", "passkey", "multikey", "passkey-varied")
+RETRIEVAL = ("passkey", "multikey", "passkey-varied")
+#: Retrieval kinds whose answer starts a segment (``answer_aligned_start``); the others keep their first items' layout.
+ALIGNED = ("passkey-varied",)
+#: The task an item kind's episodes count as, where it is not the kind's own name (accuracy, reward terms).
+TASK_OF = {"passkey-varied": "passkey"}
 
 #: Item sizes per model size class; "tiny" is for tiny-random (tests, CI).
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
@@ -39,6 +48,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "chat": {"n": 2, "turns": 3, "max_tokens": 96},
         "passkey": {"n": 1, "lengths": (768,), "depths": (0.2, 0.6)},
         "multikey": {"n": 1, "length": 768, "num_pairs": 4},
+        "passkey-varied": {"n": 2, "length_range": (384, 1024), "depth_range": (0.1, 0.9), "filler": "repeat"},
     },
     "tiny": {
         "prose": {"n": 2, "length": 200},
@@ -46,6 +56,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "chat": {"n": 1, "turns": 2, "max_tokens": 24},
         "passkey": {"n": 1, "lengths": (240,), "depths": (0.5,)},
         "multikey": {"n": 1, "length": 320, "num_pairs": 2},
+        "passkey-varied": {"n": 2, "length_range": (240, 560), "depth_range": (0.1, 0.9), "filler": "repeat"},
     },
 }
 #: Tokens read as a prompt before scoring starts (prose and retrieval episodes): the first decision comes early.
@@ -116,6 +127,19 @@ def hold_out(data: TuneData, fraction: float) -> tuple[TuneData, TuneData]:
     return replace(data, episodes=fit), replace(data, episodes=select)
 
 
+def answer_aligned_start(prompt_len: int, chunk: int, context: int = PROSE_CONTEXT) -> int:
+    """The scoring start, at least ``context`` tokens in, that makes the answer (token ``prompt_len``) the first
+    token of a segment (``envs.evaluate.segments``: the first scored token alone, then ``chunk`` at a time).
+
+    So the decision before the answer's segment comes after the question has been read, as a served request's
+    first decode decision comes after its prompt, whatever the item's length: otherwise the question falls inside
+    the answer's segment in most items, and no controller can see it before it must decide.
+    """
+    if prompt_len <= context + 1:
+        return min(context, prompt_len)
+    return prompt_len - 1 - chunk * ((prompt_len - 1 - context) // chunk)
+
+
 def scaled_sizes(model: str, scale: int = 1) -> dict[str, dict[str, Any]]:
     """The model's size class with ``scale`` times as many items of every kind.
 
@@ -154,6 +178,7 @@ def build_episodes(
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(TUNE_WORKLOADS)}")
     engine = {"kv_cache_memory": kv_cache_memory} if kv_cache_memory is not None else {}
     sizes = sizes or scaled_sizes(model)
+    base = base_policy or default_base_policy(model)
     names = ["prose", "longgen", "chat", "passkey", "multikey"] if workload == "mixed" else [workload]
     episodes: list[Episode] = []
     with stage(f"episodes of {workload}, {split} split", total=len(names), unit="workloads") as progress:
@@ -177,7 +202,7 @@ def build_episodes(
                 for i, it in enumerate(items):
                     answer = list(tok(" " + str(it.answer), add_special_tokens=False)["input_ids"])
                     n = len(it.prompt_ids)
-                    start = min(PROSE_CONTEXT, n)
+                    start = answer_aligned_start(n, base.compact_interval) if name in ALIGNED else min(PROSE_CONTEXT, n)
                     triples.append((list(it.prompt_ids) + answer, 0, start))
                     spans.append((n - start, n - start + len(answer)))
                     prompt_lens[i] = n
@@ -187,6 +212,6 @@ def build_episodes(
             refs = build_references(full, triples, store, label=f"references: {name}")
             for it, ref, span, plen in zip(items, refs, spans, prompt_lens, strict=True):
                 item = ScoreItem(ref.scored_ids, ref.score_from, ref.topk)
-                episodes.append(Episode(name, it.item_id, item, span, plen))
+                episodes.append(Episode(TASK_OF.get(name, name), it.item_id, item, span, plen))
             progress.update(1)
-    return TuneData(model, loaded, base_policy or default_base_policy(model), episodes, workload, split, engine)
+    return TuneData(model, loaded, base, episodes, workload, split, engine)

@@ -17,12 +17,13 @@ from confkv.model_loader import tiny_random_tokenizer
 
 SIZES: dict[str, dict[str, Any]] = {
     "passkey": {"lengths": (300, 500), "depths": (0.2, 0.8)},
+    "passkey-varied": {"length_range": (300, 500), "depth_range": (0.2, 0.8)},
     "multikey": {"length": 500, "num_pairs": 4},
     "prose": {"length": 300, "context": 50},
     "longgen": {"max_tokens": 64},
     "chat": {"turns": 3, "max_tokens": 32},
 }
-RETRIEVAL = ("passkey", "multikey")
+RETRIEVAL = ("passkey", "passkey-varied", "multikey")
 COMMON_WORDS = {"the", "of", "and", "is", "are", "to", "a", "be", "for", "in", "that", "it", "with"}
 
 

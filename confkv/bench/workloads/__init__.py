@@ -1,9 +1,11 @@
 """Evaluation workloads for comparing KV-cache policies, built offline and deterministically.
 
-Five workloads stress different ways a smaller cache can fail:
+Six workloads stress different ways a smaller cache can fail:
 
 * ``passkey``: one key hidden at a chosen depth of a haystack (``confkv.bench.passkey``), over a grid of lengths
   and depths; the classic test that evicted context is really gone.
+* ``passkey-varied``: pass keys whose length and depth are drawn per item from ranges, so the question comes after
+  a different number of tokens in every item (a grid puts it at the same few positions).
 * ``multikey``: several key-value records scattered through real prose, one of them asked for; the model cannot
   know during prefill which record will matter, so a cache that keeps "the" important block is not enough.
 * ``prose``: real documentation text for teacher-forced perplexity and KL against the full cache.
@@ -21,7 +23,7 @@ holds what they share.
 
 How train and heldout are kept apart (a policy tuned on ``train`` must never have seen a ``heldout`` item):
 
-* passkey, multikey: the random streams are seeded with the split's name, and the numbers asked for are
+* passkey, passkey-varied, multikey: the random streams are seeded with the split's name, and the numbers asked for are
   disjoint by parity: train keys and values are even, heldout ones odd. Multikey's key names use disjoint noun
   lists, and its filler and passkey's ``prose`` filler come from disjoint documentation topics
   (``corpus.split_passage``).
@@ -55,10 +57,11 @@ __all__ = [
     "render_chat",
 ]
 
-WORKLOADS: tuple[str, ...] = ("passkey", "multikey", "prose", "longgen", "chat")
+WORKLOADS: tuple[str, ...] = ("passkey", "passkey-varied", "multikey", "prose", "longgen", "chat")
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "passkey": {"lengths": (1000, 2000), "depths": (0.1, 0.5, 0.9), "filler": "repeat"},
+    "passkey-varied": {"length_range": (1000, 2000), "depth_range": (0.1, 0.9), "filler": "repeat"},
     "multikey": {"length": 1500, "num_pairs": 8},
     "prose": {"length": 1024, "context": 0},
     "longgen": {"max_tokens": 512},
@@ -66,6 +69,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _BUILDERS: dict[str, Callable[..., list[WorkloadItem]]] = {
     "passkey": retrieval.passkey,
+    "passkey-varied": retrieval.passkey_varied,
     "multikey": retrieval.multikey,
     "prose": conversation.prose,
     "longgen": conversation.longgen,

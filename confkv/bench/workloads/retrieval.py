@@ -2,6 +2,9 @@
 
 * ``passkey``: one key hidden at a chosen depth of a haystack (``confkv.bench.passkey``), over a grid of lengths
   and depths; the classic test that evicted context is really gone.
+* ``passkey-varied``: the same prompts with each item's length and depth drawn from ranges, so the question
+  arrives after a different number of tokens in every item: a controller cannot tell from the position alone when
+  the answer comes (a fixed grid puts it at the same position in every item).
 * ``multikey``: several key-value records scattered through real prose, one of them asked for; the model cannot
   know during prefill which record will matter, so a cache that keeps "the" important block is not enough.
 """
@@ -94,6 +97,68 @@ def passkey(
                             meta={"length": length, "depth": float(depth), "filler": kind, "repeat": rep},
                         )
                     )
+    return items
+
+
+def _range(name: str, value: Any, kind: type) -> tuple[Any, Any]:
+    """A ``(low, high)`` pair of ``kind`` with ``low <= high``, else a one-line error naming the keyword."""
+    if (
+        isinstance(value, (str, bytes))
+        or not isinstance(value, Sequence)
+        or len(value) != 2
+        or any(isinstance(v, bool) or not isinstance(v, (kind, int)) for v in value)
+        or value[0] > value[1]
+    ):
+        raise ValueError(f"passkey-varied {name} must be a pair (low, high) with low <= high (got {value!r})")
+    return value[0], value[1]
+
+
+def passkey_varied(
+    tokenizer: Any,
+    split: str,
+    n: int,
+    seed: int,
+    *,
+    length_range: Sequence[int],
+    depth_range: Sequence[float],
+    filler: str,
+) -> list[WorkloadItem]:
+    """``n`` pass keys, each with its length drawn uniformly from ``length_range`` (tokens) and its key's depth from
+    ``depth_range``, from a stream seeded by the split, the seed and the item's index: a larger ``n`` extends the
+    list without changing the items before, and the splits draw from different streams (and keys of different
+    parity, as ``passkey``'s)."""
+    lo, hi = _range("length_range", length_range, int)
+    check_int("passkey-varied", "length", lo, 16, 1 << 20)
+    check_int("passkey-varied", "length", hi, 16, 1 << 20)
+    dlo, dhi = _range("depth_range", depth_range, float)
+    if not 0 <= dlo <= dhi <= 1:
+        raise ValueError(f"passkey-varied depth_range must lie in [0, 1] (got {depth_range!r})")
+    if filler not in PASSKEY_FILLERS:
+        raise ValueError(f"passkey-varied filler must be one of {', '.join(PASSKEY_FILLERS)} (got {filler!r})")
+    parity = split_parity(split)
+    items: list[WorkloadItem] = []
+    for i in range(n):
+        rng = rng_of("passkey-varied", split, seed, i)
+        length = rng.randint(lo, hi)
+        depth = round(rng.uniform(dlo, dhi), 3)
+        attempt = 0
+        while True:  # passkey_item draws the key itself: redraw until it has the split's parity
+            item = passkey_item(tokenizer, length, depth, seed_of("passkey-varied", split, seed, i, attempt),
+                                filler=filler, split=split)  # fmt: skip
+            if int(item.key) % 2 == parity:
+                break
+            attempt += 1
+        items.append(
+            WorkloadItem(
+                workload="passkey-varied",
+                item_id=item_id("passkey-varied", split, i),
+                split=split,
+                prompt_ids=encode(tokenizer, item.prompt),
+                max_tokens=RETRIEVAL_MAX_TOKENS,
+                answer=item.key,
+                meta={"length": length, "depth": depth, "filler": filler},
+            )
+        )
     return items
 
 
