@@ -125,6 +125,14 @@ def markdown(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _short(name: str) -> str:
+    """A rule's label without the part every variant of the headline's rule shares."""
+    for prefix in ("dynamic-128-512-decayed-r75-d98-", "dynamic-"):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
 def plot(table: dict[str, Any], path: str) -> int:
     """requests/s against on-demand ``full`` (x) beside KL and BLEU-4 (y), with 95% intervals where known; returns
     how many rows were drawn."""
@@ -145,8 +153,7 @@ def plot(table: dict[str, Any], path: str) -> int:
             if lo is not None and hi is not None:
                 ax.errorbar(x, y, yerr=[[y - lo], [hi - y]], fmt="none", ecolor=color, alpha=0.35, capsize=2)
             ax.plot(x, y, "o" if rule else "s", color=color)
-            ax.annotate(name.removeprefix("dynamic-128-").removeprefix("dynamic-"), (x, y), fontsize=7,
-                        xytext=(4, 3), textcoords="offset points")  # fmt: skip
+            ax.annotate(_short(name), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
         ax.set_xlabel("requests/s vs on-demand full (its own run's)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
