@@ -19,12 +19,11 @@ The throughput suite's own stream and loop (``run_engine_stream``), at the opera
 
 Per step it also records what the pass computed: running sequences, generated tokens, rerun tokens (a recalled
 sequence's second pass, its stale tokens under ``recompute: stale``), prompt tokens, recalled and evicted blocks,
-and the decode attention's keys: the batch is padded to its widest row (to each group's, where the runner splits
-the rows by width), so ``padded`` against ``valid`` keys says how much of the attention is spent on padding.
-``--split both`` runs every policy with its decode rows in one padded batch and split by width, and says whether
-the two gave the same tokens. Policies are compared on decode steps (no prompt chunk in the batch) at equal
-running counts: every running count every row reached on at least ``--min-steps`` steps counts once, whatever
-how often each spent there.
+and the decode attention's keys: the batch is padded to its widest row, so ``padded`` against ``valid`` keys says
+how much of the attention is spent on padding (grouping the rows by width took it from 51% to 16% for the
+confidence rule and saved no time: BENCHMARKS.md, "2026-12-06, third session"). Policies are compared on decode
+steps (no prompt chunk in the batch) at equal running counts: every running count every row reached on at least
+``--min-steps`` steps counts once, whatever how often each spent there.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ from confkv import LLM
 from confkv.bench.provenance import git_commit
 from confkv.bench.streams import LONGGEN_CPU, pool_bytes_for, stream_requests
 from confkv.bench.throughput import run_engine_stream, stream_policies
-from confkv.engine import runner
 from confkv.engine.engine import LLMEngine
 from confkv.model_loader import load_model
 
@@ -92,9 +90,9 @@ def instrument(engine: LLMEngine, clock: StepClock) -> None:
             elif ch.start < ch.seq.num_prompt_tokens:
                 cur["prompt_tokens"] += ch.num_tokens
         batch = res.batch
-        if batch.num_decode:  # the keys attended: the padded batch's, or its groups' when split by width
+        if batch.num_decode:  # the keys attended: the padded batch's
             cur["decode_rows"] += batch.num_decode
-            cur["padded_keys"] += sum(g.valid.numel() for g in batch.decode_groups) or batch.decode_valid.numel()
+            cur["padded_keys"] += batch.decode_valid.numel()
             cur["valid_keys"] += int(batch.decode_valid.sum())
         return res
 
@@ -201,7 +199,6 @@ def markdown(result: dict[str, Any]) -> str:
         ("decode attention on padding", lambda r: f"{100 * r['padding_share']:.0f}%"),
         ("ms per generated token", lambda r: f"{r['per_generated_token']['ms']:.2f}"),
         ("requests/s", lambda r: f"{r['requests_per_s']:.3f}"),
-        ("same tokens as padded", lambda r: str(r.get("same_tokens_as_padded", ""))),
     ]  # fmt: skip
     for label, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt(result["policies"][n]) for n in names) + " |")
@@ -232,9 +229,6 @@ def main() -> None:
     ap.add_argument("--full-fits", type=int, default=LONGGEN_CPU.full_fits)
     ap.add_argument("--max-batch-size", type=int, default=32)
     ap.add_argument("--min-steps", type=int, default=10, help="steps a running count needs to be compared")
-    ap.add_argument("--split", choices=("on", "off", "both"), default="on",
-                    help="decode rows grouped by width (the engine's default), one padded batch, or each policy both "
-                         "ways (rows NAME:padded and NAME:split, and whether their tokens agree)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write the result here")
     ap.add_argument("--md", type=Path, help="write the tables here")
     args = ap.parse_args()
@@ -250,32 +244,20 @@ def main() -> None:
     result: dict[str, Any] = {"commit": git_commit(), "settings": {**dataclasses.asdict(spec), "pool_bytes": pool},
                               "policies": {}}  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {}
-    modes = {"on": [("", runner.DECODE_SPLIT_MIN_SAVING)], "off": [("", 2.0)],
-             "both": [(":padded", 2.0), (":split", runner.DECODE_SPLIT_MIN_SAVING)]}[args.split]  # fmt: skip
-    result["settings"]["split"] = args.split
-    for base, policy in stream_policies(names, args.policy_file, spec):
-        if base == "full" and "full" not in names:
+    for name, policy in stream_policies(names, args.policy_file, spec):
+        if name == "full" and "full" not in names:
             continue  # the quality reference stream_policies adds
-        tokens = []
-        for suffix, min_saving in modes:
-            name = base + suffix
-            runner.DECODE_SPLIT_MIN_SAVING = min_saving  # above 1: never split
-            llm = LLM(args.model, policy, loaded=loaded, kv_cache_memory=pool, max_batch_size=spec.max_batch_size,
-                      max_num_batched_tokens=spec.max_num_batched_tokens)  # fmt: skip
-            clock = StepClock()
-            instrument(llm.engine, clock)
-            stream = run_engine_stream(llm, requests)
-            runs[name] = clock.steps
-            tokens.append(stream.token_ids)
-            result["policies"][name] = {**summarise(clock.steps), "makespan_s": stream.metrics["makespan_s"],
-                                        "requests_per_s": stream.metrics["requests_per_s"]}  # fmt: skip
-            if len(tokens) == 2:
-                result["policies"][name]["same_tokens_as_padded"] = tokens[0] == tokens[1]
-            r = result["policies"][name]
-            print(f"{name}: {r['steps']} steps, {r['per_step_ms']['total']:.1f} ms/step, makespan "
-                  f"{r['makespan_s']:.1f} s, {r['requests_per_s']:.3f} req/s"
-                  + (f", same tokens as padded: {r['same_tokens_as_padded']}" if len(tokens) == 2 else ""),
-                  flush=True)  # fmt: skip
+        llm = LLM(args.model, policy, loaded=loaded, kv_cache_memory=pool, max_batch_size=spec.max_batch_size,
+                  max_num_batched_tokens=spec.max_num_batched_tokens)  # fmt: skip
+        clock = StepClock()
+        instrument(llm.engine, clock)
+        stream = run_engine_stream(llm, requests)
+        runs[name] = clock.steps
+        result["policies"][name] = {**summarise(clock.steps), "makespan_s": stream.metrics["makespan_s"],
+                                    "requests_per_s": stream.metrics["requests_per_s"]}  # fmt: skip
+        r = result["policies"][name]
+        print(f"{name}: {r['steps']} steps, {r['per_step_ms']['total']:.1f} ms/step, makespan "
+              f"{r['makespan_s']:.1f} s, {r['requests_per_s']:.3f} req/s", flush=True)  # fmt: skip
     result["matched"] = matched(runs, args.min_steps)
     result["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)
     md = markdown(result)

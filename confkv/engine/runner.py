@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from confkv.engine.scheduler import ScheduledChunk
-from confkv.kv.attention import DecodeGroup, PackedBatch, PrefillSpan, sdpa_backends
+from confkv.kv.attention import PackedBatch, PrefillSpan, sdpa_backends
 from confkv.kv.demoted import DemotedKeys, DemotedTier
 from confkv.kv.pool import BlockPool
 
@@ -28,43 +28,6 @@ class ForwardResult:
     resident: list[int]  # per chunk: resident tokens (including the chunk's own) during this pass
     captured: dict[int, int]  # sequence id -> row of ``batch.captured_q[layer]``
     spans: list[tuple[int, int]]  # per chunk: (first row of ``logits``, number of rows), (.., 0) when none
-
-
-#: Decode rows are attended in two groups by width when that spares at least this share of the padded batch's keys
-#: (a group costs a few more kernel calls per layer; BENCHMARKS.md, "2026-12-06, third session"). Above 1: never.
-DECODE_SPLIT_MIN_SAVING = 0.25
-
-
-def _decode_groups(batch: PackedBatch, widths: list[int], block_size: int) -> list[DecodeGroup]:
-    """The decode rows in two groups, the widest ones and the rest, split where that spares the most padded keys,
-    or none (one padded batch) when the best split spares less than ``DECODE_SPLIT_MIN_SAVING`` of them. The
-    confidence rule's expansions leave a few rows several times wider than the rest."""
-    n, top = len(widths), max(widths)
-    order = sorted(range(n), key=lambda r: -widths[r])
-    best, cut = 0, 0
-    for k in range(1, n):  # the k widest rows at the top width, the others at the (k+1)-th widest
-        spared = (n - k) * (top - widths[order[k]])
-        if spared > best:
-            best, cut = spared, k
-    if cut == 0 or best < DECODE_SPLIT_MIN_SAVING * n * top:
-        return []
-    groups = []
-    for members in (sorted(order[:cut]), sorted(order[cut:])):
-        w = max(widths[r] for r in members)
-        rows = torch.tensor(members, dtype=torch.long, device=batch.decode_blocks.device)
-        keys = w * block_size
-        groups.append(
-            DecodeGroup(
-                rows=rows,
-                blocks=batch.decode_blocks[rows, :w],
-                valid=batch.decode_valid[rows, :keys],
-                pos=batch.decode_pos[rows, :keys],
-                qpos=batch.decode_qpos[rows],
-                slots=None if batch.decode_slots is None else batch.decode_slots[rows, :keys],
-                track=None if batch.decode_track is None else batch.decode_track[rows],
-            )
-        )
-    return groups
 
 
 class ModelRunner:
@@ -217,8 +180,6 @@ class ModelRunner:
                 decay.extend((key_slots[r][valid[r]].to(device), f) for r, f in decode_decay)
                 batch.decode_slots = key_slots.to(device)
                 batch.decode_track = torch.tensor(decode_track, device=device)[:, None]
-            if not decode_demoted:
-                batch.decode_groups = _decode_groups(batch, [len(b) for b, _ in decode_blocks], bs)
         if (batch.decode_track is not None) or any(p.track != "none" for p in prefills):
             batch.score = torch.zeros_like(self.pool.score)
             if decay:

@@ -59,21 +59,6 @@ class PrefillSpan:
 
 
 @dataclass
-class DecodeGroup:
-    """Decode rows of similar width, attended together: a batch's rows are padded to its widest row, so a few
-    expanded sequences would otherwise make every row attend over their width (``ModelRunner`` forms the groups).
-    Each tensor is the batch's ``decode_*`` tensor at ``rows``, cut to the group's own width."""
-
-    rows: torch.Tensor  # [n] the group's rows among the decode rows
-    blocks: torch.Tensor  # [n, width]
-    valid: torch.Tensor  # [n, width * block_size]
-    pos: torch.Tensor  # [n, width * block_size]
-    qpos: torch.Tensor  # [n]
-    slots: torch.Tensor | None = None  # [n, width * block_size] (with decode_track)
-    track: torch.Tensor | None = None  # [n, 1]
-
-
-@dataclass
 class PackedBatch:
     """Everything the attention function needs for one forward pass, built by the runner."""
 
@@ -104,8 +89,6 @@ class PackedBatch:
     decode_demoted: list[tuple[KVCodec, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     decode_demoted_valid: torch.Tensor | None = None  # [num_decode, width] bool
     decode_demoted_pos: torch.Tensor | None = None  # [num_decode, width] true positions
-    #: The decode rows split by width (two groups or more), or empty: one padded batch. Never with demoted blocks.
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
 
 
 #: PyTorch's fused CPU attention (flash), called directly where its log-sum-exp is needed as well as its output.
@@ -134,41 +117,10 @@ Captures = tuple[list[torch.Tensor], list[torch.Tensor]]
 def _decode_attention(
     batch: PackedBatch, layer: int, q: torch.Tensor, scaling: float, window: int | None, captures: Captures
 ) -> torch.Tensor:
-    """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``; group by group when the runner
-    split the rows by width (each row's keys, weights and recorded mass are those of the padded batch: padding is
-    masked either way)."""
-    if not batch.decode_groups:
-        whole = DecodeGroup(torch.empty(0), batch.decode_blocks, batch.decode_valid, batch.decode_pos,
-                            batch.decode_qpos, batch.decode_slots, batch.decode_track)  # fmt: skip
-        return _decode_rows(batch, whole, layer, q, scaling, window, captures)
-    out = torch.empty_like(q)
-    lse: torch.Tensor | None = None
-    for group in batch.decode_groups:
-        part: Captures = ([], [])
-        out[group.rows] = _decode_rows(batch, group, layer, q[group.rows], scaling, window, part)
-        if part[1]:
-            if lse is None:
-                lse = q.new_empty((q.shape[0], *part[1][0].shape[1:]), dtype=part[1][0].dtype)
-            lse[group.rows] = part[1][0]
-    if lse is not None:  # in the rows' order, as from one padded batch
-        captures[0].append(_grouped(q, batch.pool.num_kv_heads))
-        captures[1].append(lse)
-    return out
-
-
-def _decode_rows(
-    batch: PackedBatch,
-    group: DecodeGroup,
-    layer: int,
-    q: torch.Tensor,
-    scaling: float,
-    window: int | None,
-    captures: Captures,
-) -> torch.Tensor:
-    """Attention of one group of decode rows (or the whole padded batch) over their resident blocks."""
+    """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``."""
     pool = batch.pool
-    n, bs = group.blocks.shape[0], pool.block_size
-    flat = group.blocks.reshape(-1)
+    n, bs = batch.decode_blocks.shape[0], pool.block_size
+    flat = batch.decode_blocks.reshape(-1)
     # whole blocks, [n, kvh, keys, D]: one contiguous copy per block rather than one per token; the source is viewed
     # as 2-D because index_select copies rows of a 2-D tensor with memcpy but walks a 4-D one element by element
     by_block = (pool.num_blocks, bs * pool.num_kv_heads * pool.head_dim)
@@ -182,20 +134,20 @@ def _decode_rows(
         v_rows = pool.v[layer].view(pool.num_blocks, -1).index_select(0, flat).view(n, -1, kvh, v_row)
         keys = pool.dequant_k(k_rows).view(unpacked).transpose(1, 2)
         values = pool.dequant(v_rows).transpose(1, 2)
-    valid, key_pos, pool_keys = group.valid, group.pos, keys.shape[2]
-    if batch.decode_demoted:  # never grouped: the demoted tensors are packed over the whole batch
+    valid, key_pos, pool_keys = batch.decode_valid, batch.decode_pos, keys.shape[2]
+    if batch.decode_demoted:
         keys, values = _with_demoted(batch, layer, keys, values)
         valid = torch.cat([valid, batch.decode_demoted_valid], dim=1)
         key_pos = torch.cat([key_pos, batch.decode_demoted_pos], dim=1)
     if window is not None:
-        valid = valid & (key_pos > group.qpos[:, None] - window)
+        valid = valid & (key_pos > batch.decode_qpos[:, None] - window)
     # GQA as plain attention: a KV head's query heads are the rows of one [groups, keys] problem
     qg = _grouped(q, pool.num_kv_heads)  # [n, kvh, g, D]
-    if group.track is None and not batch.capture_decode:
+    if batch.decode_track is None and not batch.capture_decode:
         # nothing to record: one fused kernel, no explicit weights
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid[:, None, None, :], scale=scaling)
         return out.reshape(q.shape)
-    if group.track is None and _FLASH_CPU is not None and q.device.type == "cpu":
+    if batch.decode_track is None and _FLASH_CPU is not None and q.device.type == "cpu":
         # a recall needs only the query and its log-sum-exp, which the fused CPU kernel returns beside the output
         # (the kernel F.scaled_dot_product_attention dispatches to; it takes an additive mask of the query's dtype)
         mask = torch.zeros(valid.shape, dtype=qg.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
@@ -208,9 +160,9 @@ def _decode_rows(
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     weights = (scores - lse).exp()
     out = torch.matmul(weights.to(values.dtype), values)
-    if group.track is not None and batch.score is not None:
-        mass = weights[..., :pool_keys].sum(dim=(1, 2)) * group.track  # [n, keys]: the pool's slots only
-        batch.score.index_add_(0, group.slots.reshape(-1), mass.reshape(-1))
+    if batch.decode_track is not None and batch.score is not None:
+        mass = weights[..., :pool_keys].sum(dim=(1, 2)) * batch.decode_track  # [n, keys]: the pool's slots only
+        batch.score.index_add_(0, batch.decode_slots.reshape(-1), mass.reshape(-1))
     if batch.capture_decode:
         captures[0].append(qg)
         captures[1].append(lse.squeeze(-1))
