@@ -4,6 +4,9 @@ against ``full``'s, each with its 95% interval, assembled from the runs that mea
 
     python benchmarks/headline.py --throughput bench-out/longgen/results.json --fidelity fidelity.json
 
+``--plot PATH`` also draws the frontier: requests/s against on-demand ``full`` beside KL and beside BLEU-4, one
+point per row measured by both (the confidence rules, named ``dynamic*``, apart from the fixed baselines).
+
 ``--throughput``: ``results.json`` of ``confkv bench --suite throughput --scenarios longgen`` (``--repeats N`` for
 intervals on requests/s); several runs may be given, each row's ratio is against the ``full`` of its own run and the
 first run's row of a name is kept. ``--fidelity``: the JSON that ``benchmarks/longgen_fidelity.py --json`` prints
@@ -122,11 +125,51 @@ def markdown(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _short(name: str) -> str:
+    """A rule's label without the part every variant of the headline's rule shares."""
+    for prefix in ("dynamic-128-512-decayed-r75-d98-", "dynamic-"):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def plot(table: dict[str, Any], path: str) -> int:
+    """requests/s against on-demand ``full`` (x) beside KL and BLEU-4 (y), with 95% intervals where known; returns
+    how many rows were drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file only
+    import matplotlib.pyplot as plt
+
+    points = {n: r for n, r in table["rows"].items() if r.get("vs_full") and r.get("kl")}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+    for ax, key, label in ((axes[0], "kl", "KL on full's answers (lower is better)"),
+                           (axes[1], "bleu4_vs_full", "BLEU-4 of its own answers vs full's")):  # fmt: skip
+        for name, r in points.items():
+            x, y = r["vs_full"][0], r[key][0]
+            lo, hi = r[key][1], r[key][2]
+            rule = name.startswith("dynamic")
+            color = "tab:blue" if rule else ("tab:gray" if name == REFERENCE else "tab:orange")
+            if lo is not None and hi is not None:
+                ax.errorbar(x, y, yerr=[[y - lo], [hi - y]], fmt="none", ecolor=color, alpha=0.35, capsize=2)
+            ax.plot(x, y, "o" if rule else "s", color=color)
+            ax.annotate(_short(name), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set_xlabel("requests/s vs on-demand full (its own run's)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_title("confidence rules (circles) and fixed baselines (squares)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return len(points)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--throughput", action="append", default=[], help="results.json of a longgen throughput run")
     ap.add_argument("--fidelity", action="append", default=[], help="longgen_fidelity.py --json output")
     ap.add_argument("--json", action="store_true", help="print the table's data as JSON instead of markdown")
+    ap.add_argument("--plot", metavar="PATH", help="also draw requests/s against KL and BLEU-4 into this PNG")
     args = ap.parse_args(argv)
     if not args.throughput and not args.fidelity:
         print("headline.py: give at least one --throughput or --fidelity file", file=sys.stderr)
@@ -137,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     table = assemble([_load_json(p) for p in args.throughput], [_load_json(p) for p in args.fidelity])
     print(json.dumps(table, indent=2) if args.json else markdown(table))
+    if args.plot:
+        plot(table, args.plot)
     return 0
 
 

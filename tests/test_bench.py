@@ -423,7 +423,7 @@ def test_headline_assembles_throughput_and_fidelity_into_one_table(tmp_path, cap
     """``benchmarks/headline.py`` joins a longgen throughput run (with repeats) and ``longgen_fidelity.py``'s JSON
     by policy: every figure is the one its run measured, with its interval, ``full`` is the reference of both, and
     a row only one of them measured (the fidelity's noise floor, here a fixed baseline) keeps the other's cells
-    empty. A missing file is one line and exit 2."""
+    empty; ``--plot`` draws the frontier beside it. A missing file is one line and exit 2."""
     import os
     import subprocess
     import sys
@@ -454,7 +454,9 @@ def test_headline_assembles_throughput_and_fidelity_into_one_table(tmp_path, cap
     assert dyn["kl"] == fidelity["dynamic"]["kl"] and dyn["bleu4_vs_full"] == fidelity["dynamic"]["bleu4_vs_full"]
     assert rows["full"]["reference_of_speed"] and rows["full"]["kl"][0] == 0.0
     assert "requests_per_s" not in rows["h2o@32"] and rows["h2o@32"]["kl"] == fidelity["h2o@32"]["kl"]
-    md = subprocess.run(head, capture_output=True, text=True, check=True, cwd=root).stdout
+    png = tmp_path / "frontier.png"  # the frontier plot beside the table
+    md = subprocess.run([*head, "--plot", str(png)], capture_output=True, text=True, check=True, cwd=root).stdout
+    assert png.read_bytes().startswith(b"\x89PNG")
     assert "| `full` |" in md and "1.00x (reference)" in md and f"| `dynamic` | {dyn['kv_share'][0]:.2f} [" in md
     bad = subprocess.run([*head[:2], "--fidelity", str(tmp_path / "none.json")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not a file" in bad.stderr
