@@ -113,10 +113,12 @@ class CacheManager(SessionContinuation):
 
     def room_needed(self, kv: SequenceKV, n_new: int) -> int:
         """Free blocks (``num_free``) a step of ``n_new`` tokens takes: its new blocks, where it leaves a block open
-        that was not (per-channel int4 keys) the blocks' worth of that block's float copy, and the float window's
-        copies of the new blocks less those of the blocks leaving the window."""
-        bs, n = self.block_size, kv.table.num_tokens
-        opens = self.pool.open_copy_bytes and (n + n_new) % bs and not n % bs
+        and the sequence holds no open block's float copy now (per-channel int4 keys; a block brought back open, by a
+        swap-in or a session's restore, has none until it is written) the blocks' worth of that copy, and the float
+        window's copies of the new blocks less those of the blocks leaving the window."""
+        bs, n, entries = self.block_size, kv.table.num_tokens, kv.table.entries
+        held = n % bs and n // bs < len(entries) and self.pool.has_open_copy(entries[n // bs])
+        opens = self.pool.open_copy_bytes and (n + n_new) % bs and not held
         extra = self.pool.open_copy_bytes if opens else 0
         if (window := self.pool.window) is not None:
             joins, leaves = self._window_moves(kv, n_new)

@@ -153,6 +153,10 @@ class BlockPool:
             return 0
         return self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * 4
 
+    def has_open_copy(self, block: int) -> bool:
+        """Whether an open block keeps a float copy of its keys now (per-channel keys only)."""
+        return block in self._open
+
     def count_outside(self, source: Callable[[], int]) -> None:
         """Count bytes that live outside the preallocation but share its budget (the demoted copies) as used."""
         self._outside.append(source)
