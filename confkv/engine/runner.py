@@ -176,8 +176,8 @@ class ModelRunner:
             batch.decode_pos = key_pos.to(device)
             batch.decode_qpos = qpos.to(device)
             batch.capture_decode = capture_decode
-            if float_window is not None:  # rows of the gathered blocks, in gathered order
-                batch.decode_window = float_window.rows_of((blocks[:, :, None] * bs + offsets).reshape(-1))
+            if float_window is not None:  # the gathered blocks, in gathered order
+                batch.decode_window = float_window.blocks_of(blocks.reshape(-1))
             if decode_demoted:
                 self._pack_demoted(batch, decode_demoted, nd, qpos)
             if any(decode_track):  # slots only where attention mass is recorded per slot

@@ -94,8 +94,8 @@ class PackedBatch:
     decode_demoted: list[tuple[KVCodec, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     decode_demoted_valid: torch.Tensor | None = None  # [num_decode, width] bool
     decode_demoted_pos: torch.Tensor | None = None  # [num_decode, width] true positions
-    #: Float window (``confkv/kv/window.py``): which packed tokens write copies, and which rows of the decode rows'
-    #: gathered blocks (flattened ``[num_decode * max_blocks * block_size]``) read them; None where none does.
+    #: Float window (``confkv/kv/window.py``): which packed tokens write copies, and which of the decode rows'
+    #: gathered blocks (flattened ``[num_decode * max_blocks]``) read them; None where none does.
     window_store: WindowPlan | None = None
     decode_window: WindowPlan | None = None
 
@@ -142,9 +142,9 @@ def _decode_attention(
         k_rows = pool.k[layer].view(pool.num_blocks, -1).index_select(0, flat).view(n, -1, bs, kvh, k_row)
         v_rows = pool.v[layer].view(pool.num_blocks, -1).index_select(0, flat).view(n, -1, kvh, v_row)
         keys, values = pool.dequant_k(k_rows), pool.dequant(v_rows)
-        if batch.decode_window is not None:  # the newest tokens' exact rows instead of their codes
-            rows = (-1, pool.num_kv_heads, pool.head_dim)
-            pool.window.read_into(layer, batch.decode_window, keys.view(rows), values.view(rows))
+        if batch.decode_window is not None:  # the newest tokens' exact rows instead of their codes, block by block
+            blocks = (-1, bs, pool.num_kv_heads, pool.head_dim)
+            pool.window.read_into(layer, batch.decode_window, keys.view(blocks), values.view(blocks))
         keys, values = keys.view(unpacked).transpose(1, 2), values.transpose(1, 2)
     valid, key_pos, pool_keys = batch.decode_valid, batch.decode_pos, keys.shape[2]
     if batch.decode_demoted:

@@ -138,18 +138,34 @@ class FloatWindow:
         rows = arena[hit] * self.block_size + slots[hit] % self.block_size
         return hit.to(self.device, non_blocking=True), rows.to(self.device, non_blocking=True)
 
+    def blocks_of(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For pool ``blocks`` (CPU): which of them have a copy (their indices in ``blocks``) and the copies' arena
+        blocks, both on the device; ``None`` when none has. Whole blocks move as one contiguous row each."""
+        if not self._where:
+            return None
+        arena = self.index[blocks]
+        hit = (arena >= 0).nonzero().squeeze(1)
+        if hit.numel() == 0:
+            return None
+        return hit.to(self.device, non_blocking=True), arena[hit].to(self.device, non_blocking=True)
+
     def write(self, layer: int, plan: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep the exact keys and values ``[tokens, kv_heads, head_dim]`` a pass writes into window blocks (``plan``:
         ``rows_of`` the pass's slots)."""
         hit, rows = plan
-        self.k[layer].index_copy_(0, rows, k.index_select(0, hit).to(self.k.dtype))
-        self.v[layer].index_copy_(0, rows, v.index_select(0, hit).to(self.v.dtype))
+        width = k.shape[1] * k.shape[2]
+        self.k[layer].view(-1, width).index_copy_(0, rows, k.index_select(0, hit).reshape(-1, width).to(self.k.dtype))
+        self.v[layer].view(-1, width).index_copy_(0, rows, v.index_select(0, hit).reshape(-1, width).to(self.v.dtype))
 
     def read_into(
         self, layer: int, plan: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor
     ) -> None:
-        """Overwrite rows of dequantised ``keys``/``values`` ``[rows, kv_heads, head_dim]`` with their exact copies
-        (``plan``: ``rows_of`` the slots those rows were gathered from)."""
+        """Overwrite rows of dequantised ``keys``/``values`` with their exact copies: rows ``[n, kv_heads,
+        head_dim]`` with ``plan`` from ``rows_of`` (the slots they were gathered from), or whole blocks ``[n,
+        block_size, kv_heads, head_dim]`` with ``plan`` from ``blocks_of``. Both are moved as 2-D rows, which
+        ``index_select`` copies with one memcpy each rather than element by element."""
         hit, rows = plan
-        keys.index_copy_(0, hit, self.k[layer].index_select(0, rows).to(keys.dtype))
-        values.index_copy_(0, hit, self.v[layer].index_select(0, rows).to(values.dtype))
+        width = keys[0].numel()
+        k2, v2 = keys.view(keys.shape[0], width), values.view(values.shape[0], width)
+        k2.index_copy_(0, hit, self.k[layer].view(-1, width).index_select(0, rows).to(keys.dtype))
+        v2.index_copy_(0, hit, self.v[layer].view(-1, width).index_select(0, rows).to(values.dtype))
