@@ -33,7 +33,7 @@ def _score(dtype: str, window: int, ids: list[int]) -> torch.Tensor:
     llm = LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_dtype=dtype, kv_float_window=window,
               kv_cache_memory="4MiB", compact_interval=8)  # fmt: skip
     (result,) = llm.score([ids], 1)
-    return torch.tensor(result.token_logprobs)
+    return torch.as_tensor(result.token_logprobs)
 
 
 def _greedy(dtype: str, window: int, ids: list[int]) -> list[int]:
