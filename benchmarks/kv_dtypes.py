@@ -8,7 +8,11 @@ token, every token scored); the exp of the mean NLL over all items' tokens, and 
 Step time: ``--batch`` sequences of ``--context`` tokens (windows of README.md) decode under ``full``; after 20
 steps to settle, ``--steps`` steps are timed (as ``benchmarks/decode_step.py`` does); ``--repeats`` alternating
 rounds over the dtypes, the median kept, so that a neighbour's load on a shared CPU falls on every dtype alike.
-Also reported: bytes of K and V per token and the tokens a 64 MiB pool holds at each dtype. With ``--demote``, the
+Also reported: bytes of K and V per token and the tokens a 64 MiB pool holds at each dtype. An entry of
+``--dtypes`` may name a float window, ``DTYPE@R`` (``int4@32``: ``kv_cache_dtype: int4``, ``kv_float_window: 32``);
+its perplexity run also reports the mean bytes a token held, the window's copies included
+(``R_mean_bytes_per_token``: mean resident bytes plus the window's mean bytes, over the mean resident tokens,
+summed over items). With ``--demote``, the
 suite's scaled ``dynamic`` (as ``confkv bench`` runs it) on the same prose at ``demote_dtype`` none and each of
 ``--demote``: perplexity, and the KV bytes it held (mean resident, plus the demoted copies' peak) over ``full``'s.
 """
@@ -29,29 +33,47 @@ SETTLE_STEPS = 20
 POOL = 64 << 20
 
 
-def perplexity(args, loaded, dtype: str, items: list, policy="full") -> tuple[float, int, float, float]:
+def split_entry(entry: str) -> tuple[str, int]:
+    """``DTYPE[@R]`` -> the ``kv_cache_dtype`` and the ``kv_float_window`` (0 without ``@``)."""
+    dtype, _, window = entry.partition("@")
+    return dtype, int(window or 0)
+
+
+def scored(args, loaded, dtype: str, items: list, policy="full", window: int = 0) -> list:
+    """Every item scored teacher-forced, as the bench scores its prose (``ScoreResult`` each)."""
+    llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=dtype, kv_cache_memory=POOL, kv_float_window=window)
+    return llm.score([list(it.prompt_ids) for it in items], [max(1, it.score_from or 1) for it in items])
+
+
+def perplexity(args, loaded, dtype: str, items: list, policy="full", results: list | None = None):
     """Perplexity over every scored token, their count, the mean resident KV bytes (summed over items) and the
-    demoted copies' peak bytes (summed over items)."""
-    llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=dtype, kv_cache_memory=POOL)
-    results = llm.score([list(it.prompt_ids) for it in items], [max(1, it.score_from or 1) for it in items])
+    demoted copies' peak bytes (summed over items); of ``results`` when given, else of a run of ``scored``."""
+    results = results if results is not None else scored(args, loaded, dtype, items, policy)
     nll = [float(-lp) for r in results for lp in r.token_logprobs]
     resident = sum(r.kv["mean_resident_bytes"] for r in results)
     return math.exp(sum(nll) / len(nll)), len(nll), resident, sum(r.kv["demoted_peak_bytes"] for r in results)
 
 
-def decoding_engine(args, loaded, dtype: str, prompts: list[list[int]]):
+def mean_bytes_per_token(kvs: list[dict]) -> float:
+    """Mean bytes a resident token held, the float window's copies included (summed over items)."""
+    held = sum(kv["mean_resident_bytes"] + kv["float_window_mean_bytes"] for kv in kvs)
+    return held / sum(kv["mean_resident_tokens"] for kv in kvs)
+
+
+def decoding_engine(args, loaded, dtype: str, prompts: list[list[int]], window: int = 0):
     """A ``full`` engine at ``dtype`` with ``--batch`` sequences read and ``SETTLE_STEPS`` decode steps taken, with
     room left for ``--steps`` more: the step both this script and ``kv_dtype_profile.py`` measure."""
     reading = -(-args.batch * args.context // 512) + args.batch
     params = SamplingParams(max_tokens=reading + SETTLE_STEPS + args.steps + 8, ignore_eos=True)
     llm = LLM(args.model, "full", loaded=loaded, max_batch_size=args.batch, kv_cache_memory="1GiB",
-              kv_cache_dtype=dtype)  # fmt: skip
+              kv_cache_dtype=dtype, kv_float_window=window)  # fmt: skip
     start_decoding(llm.engine, prompts, params, SETTLE_STEPS)
     return llm.engine
 
 
-def step_ms(args, loaded, dtype: str, prompts: list[list[int]]) -> float:
-    engine = decoding_engine(args, loaded, dtype, prompts)
+def step_ms(args, loaded, entry: str, prompts: list[list[int]]) -> float:
+    dtype, window = split_entry(entry)
+    engine = decoding_engine(args, loaded, dtype, prompts, window)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -80,17 +102,20 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     result: dict = {**env, "suite": args.suite, "context": args.context, "batch": args.batch, "steps": args.steps}
     t_start = time.perf_counter()
-    for dtype in dtypes:
-        llm = LLM(args.model, "full", loaded=loaded, kv_cache_dtype=dtype, kv_cache_memory=POOL)
-        result[f"{dtype}_bytes_per_token"] = llm.engine.pool.bytes_per_token
-        result[f"{dtype}_tokens_in_64MiB"] = llm.engine.pool.num_tokens
+    for entry in dtypes:
+        llm = LLM(args.model, "full", loaded=loaded, kv_cache_dtype=split_entry(entry)[0], kv_cache_memory=POOL)
+        result[f"{entry}_bytes_per_token"] = llm.engine.pool.bytes_per_token
+        result[f"{entry}_tokens_in_64MiB"] = llm.engine.pool.num_tokens
     if not args.no_ppl:
         items = build_workloads(loaded.tokenizer, suite_spec(args.model, args.suite), "heldout", 0).prose
         # KV bytes against full at auto: mean resident bytes over full's, and demoted peak bytes over full's peak
         base_resident = base_peak = None
         for dtype in dtypes:
-            ppl, n, resident, _ = perplexity(args, loaded, dtype, items)
+            kv_dtype, window = split_entry(dtype)
+            runs = scored(args, loaded, kv_dtype, items, window=window)
+            ppl, n, resident, _ = perplexity(args, loaded, kv_dtype, items, results=runs)
             result[f"{dtype}_ppl"] = ppl
+            result[f"{dtype}_mean_bytes_per_token"] = mean_bytes_per_token([r.kv for r in runs])
             result["ppl_tokens"] = n
             if dtype == "auto":
                 base_resident = resident

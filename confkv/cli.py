@@ -32,12 +32,12 @@ def _read_text(path: str, what: str) -> str:
         raise ConfkvError(f"{what} file {path} is not UTF-8 text") from None
 
 
-def check_kv_cache_dtype(name: str, host: str | None = None) -> None:
-    """Refuse a bad ``--kv-cache-dtype`` or ``--host-kv-dtype`` with the engine setting's one-line error before any
-    model loads."""
+def check_kv_cache_dtype(name: str, host: str | None = None, float_window: int = 0) -> None:
+    """Refuse a bad ``--kv-cache-dtype``, ``--host-kv-dtype`` or ``--kv-float-window`` with the engine setting's
+    one-line error before any model loads."""
     from confkv.config import make_engine_config
 
-    make_engine_config({"kv_cache_dtype": name, "host_kv_dtype": host})
+    make_engine_config({"kv_cache_dtype": name, "host_kv_dtype": host, "kv_float_window": float_window})
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -55,6 +55,7 @@ def _make_llm(args: argparse.Namespace, max_batch_size: int = 1):
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         host_kv_dtype=args.host_kv_dtype,
+        kv_float_window=args.kv_float_window,
         max_batch_size=max_batch_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
@@ -159,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from confkv.bench.suite import run_suite
     from confkv.progress import bars
 
-    check_kv_cache_dtype(args.kv_cache_dtype, args.host_kv_dtype)  # before the model loads
+    check_kv_cache_dtype(args.kv_cache_dtype, args.host_kv_dtype, args.kv_float_window)  # before the model loads
     if args.suite == "throughput":
         return _bench_throughput(args)
     if args.suite == "longgen":
@@ -187,6 +188,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         host_kv_dtype=args.host_kv_dtype,
+        kv_float_window=args.kv_float_window,
         seed=args.seed,
         split=args.split,
         progress=bars(),
@@ -226,7 +228,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         args.model, policies, policy_files=args.policy_file, scenarios=scenarios, changes=changes, ceiling=args.ceiling,
         repeats=args.repeats, hf=not args.no_hf,
         device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.seed, admissions=admissions,
-        kv_cache_dtype=args.kv_cache_dtype, host_kv_dtype=args.host_kv_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, host_kv_dtype=args.host_kv_dtype, kv_float_window=args.kv_float_window,
         log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
     paths = write_throughput_report(results, args.out)
@@ -284,7 +286,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from confkv.bench.calibrate import calibrate
     from confkv.calibration import calibration_path
 
-    check_kv_cache_dtype(args.kv_cache_dtype, args.host_kv_dtype)
+    check_kv_cache_dtype(args.kv_cache_dtype, args.host_kv_dtype, args.kv_float_window)
     out = args.out or calibration_path(args.model, args.cache_dir)
     if out is None:
         raise ConfkvError("calibration is off (CONFKV_CALIBRATION); name a file with --out")
@@ -295,7 +297,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         args.model, text=text, tokens=args.tokens, entropy_quantile=args.entropy_quantile,
         gap_quantile=args.gap_quantile, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
         kv_cache_memory=args.kv_cache_memory, source=args.text_file, kv_cache_dtype=args.kv_cache_dtype,
-        host_kv_dtype=args.host_kv_dtype,
+        host_kv_dtype=args.host_kv_dtype, kv_float_window=args.kv_float_window,
     )  # fmt: skip
     path = result.write(out)
     policy, meta = result.policy(), result.metadata()

@@ -34,6 +34,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "form is refused): auto, int8, fp8 or int4 (default: as --kv-cache-dtype)",
     )
     p.add_argument(
+        "--kv-float-window",
+        type=int,
+        default=0,
+        metavar="R",
+        help="under a quantised --kv-cache-dtype, keep each sequence's last R tokens also in the model's dtype, read "
+        "exactly by attention (Hugging Face QuantizedCache's residual_length), counted against the pool's bytes; "
+        "no effect at auto (default: 0, none)",
+    )
+    p.add_argument(
         "--cache-dir", default=None, help="converted-model cache (default: $CONFKV_CACHE or ~/.cache/confkv)"
     )
 

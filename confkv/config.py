@@ -326,6 +326,15 @@ class EngineConfig(BaseModel):
         description="how the host tier and session records store K and V, when more compact than the pool (e.g. a "
         "pool at auto, the lower tiers at int8); default the pool's kv_cache_dtype",
     )
+    kv_float_window: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOKENS,
+        strict=True,
+        description="under a quantised kv_cache_dtype, each sequence's last this-many tokens also kept in the model's "
+        "dtype and read exactly by attention (Hugging Face QuantizedCache's residual_length); 0: none; no effect at "
+        "auto, where every row is exact",
+    )
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the pool if unset")
     max_batch_size: int = Field(32, ge=1, description="most sequences decoded together")
     max_num_batched_tokens: int = Field(512, ge=16, description="tokens per step (prefill chunks + decodes)")

@@ -30,7 +30,9 @@ class LLM:
     it. ``kv_cache_memory`` sizes the device pool in bytes (``"1GiB"``); unset, a quarter of free memory.
     ``kv_cache_dtype`` is how the pool stores K and V: ``"auto"`` (the model's dtype), ``"int8"``, ``"fp8"`` or
     ``"int4"`` (quantised as they are written; the same bytes hold 4-6x the tokens); ``host_kv_dtype`` (default: the
-    same) how the host tier and session records store them, when more compact than the pool.
+    same) how the host tier and session records store them, when more compact than the pool. ``kv_float_window``
+    (tokens, default 0) keeps each sequence's newest tokens also in the model's dtype beside a quantised pool, read
+    exactly by attention (``confkv/kv/window.py``); no effect at ``"auto"``.
 
     ``policy_file`` may be a registry reference (``"registry://NAME@production"``, see ``store.refs``): the
     version the alias points at is loaded, and unless ``policy_watch_interval_s`` is None a ``PolicyFollower``
@@ -47,6 +49,7 @@ class LLM:
         kv_cache_memory: int | str | None = None,
         kv_cache_dtype: str = "auto",
         host_kv_dtype: str | None = None,
+        kv_float_window: int = 0,
         max_batch_size: int = 32,
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
@@ -74,6 +77,7 @@ class LLM:
                 "kv_cache_memory": kv_cache_memory,
                 "kv_cache_dtype": kv_cache_dtype,
                 "host_kv_dtype": host_kv_dtype,
+                "kv_float_window": kv_float_window,
                 "max_batch_size": max_batch_size,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "max_model_len": max_model_len,

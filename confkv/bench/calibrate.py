@@ -145,6 +145,7 @@ def calibrate(
     source: str | None = None,
     kv_cache_dtype: str = "auto",
     host_kv_dtype: str | None = None,
+    kv_float_window: int = 0,
 ) -> Calibration:
     """Score the calibration text with the full cache and keep every scored token's entropy and gap."""
     for name, q in (("entropy", entropy_quantile), ("gap", gap_quantile)):
@@ -153,7 +154,7 @@ def calibrate(
     if tokens is not None and tokens < SKIP_TOKENS + 2:
         raise ConfkvError(f"--tokens must be at least {SKIP_TOKENS + 2}")
     llm = LLM(model, "full", device=device, dtype=dtype, cache_dir=cache_dir, kv_cache_memory=kv_cache_memory,
-              kv_cache_dtype=kv_cache_dtype, host_kv_dtype=host_kv_dtype,
+              kv_cache_dtype=kv_cache_dtype, host_kv_dtype=host_kv_dtype, kv_float_window=kv_float_window,
               max_batch_size=8)  # fmt: skip
     if text is None:
         passages, what = default_passages(llm.tokenizer, tokens or 4096)

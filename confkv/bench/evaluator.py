@@ -86,6 +86,7 @@ class Evaluator:
         kv_cache_memory: int | str | None = None,
         kv_cache_dtype: str = "auto",
         host_kv_dtype: str | None = None,
+        kv_float_window: int = 0,
         loaded: LoadedModel | None = None,
         reference_root: str | Path | None = None,
         progress: bool = False,
@@ -105,7 +106,12 @@ class Evaluator:
             if name == "prose":
                 triples = [(p, 0, max(1, s or 1)) for p, _, s in triples]
             refs[name] = build_references(full, triples, store, use_tqdm=progress, label=f"references: {name}")
-        measured = {**engine, "kv_cache_dtype": kv_cache_dtype, "host_kv_dtype": host_kv_dtype}
+        measured = {
+            **engine,
+            "kv_cache_dtype": kv_cache_dtype,
+            "host_kv_dtype": host_kv_dtype,
+            "kv_float_window": kv_float_window,
+        }
         return cls(loaded, model, spec, wl, refs, measured, progress)
 
     def llm(self, policy: CachePolicy, **engine: Any) -> LLM:

@@ -239,6 +239,7 @@ def run_suite(
     kv_cache_memory: int | str | None = None,
     kv_cache_dtype: str = "auto",
     host_kv_dtype: str | None = None,
+    kv_float_window: int = 0,
     seed: int = 0,
     split: str = "heldout",
     spec: SuiteSpec | None = None,
@@ -257,7 +258,8 @@ def run_suite(
         t_start = time.perf_counter()
         ev = Evaluator.prepare(model, spec, device=device, dtype=dtype, cache_dir=cache_dir,
                                kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, seed=seed, split=split,
-                               host_kv_dtype=host_kv_dtype, progress=progress)  # fmt: skip
+                               host_kv_dtype=host_kv_dtype, kv_float_window=kv_float_window,
+                               progress=progress)  # fmt: skip
         t_refs = time.perf_counter() - t_start
         log(f"references ready ({t_refs:.0f}s)")
         full_gen = ev.generate_long(CachePolicy(controller="full"), None)
@@ -326,6 +328,7 @@ def run_suite(
             "split": split,
             "kv_cache_dtype": kv_cache_dtype,
             "host_kv_dtype": host_kv_dtype,
+            "kv_float_window": kv_float_window,
             "seconds": round(seconds, 1),
             "seconds_references": round(t_refs, 1),
             "seconds_per_policy": {name: round(run.entry["seconds"], 1) for name, run in runs.items()},

@@ -338,6 +338,7 @@ def run_throughput(
     seed: int = 0,
     kv_cache_dtype: str = "auto",
     host_kv_dtype: str | None = None,
+    kv_float_window: int = 0,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Every scenario (``SCENARIOS``) for every policy under every admission mode; ``spec`` and
@@ -374,6 +375,7 @@ def run_throughput(
             "admissions": list(admissions),
             "kv_cache_dtype": kv_cache_dtype,
             "host_kv_dtype": host_kv_dtype,
+            "kv_float_window": kv_float_window,
         },
         "policy_settings": {name: p.model_dump(mode="json") for name, p, _, _ in first["rows"]},
     }
@@ -393,7 +395,7 @@ def run_throughput(
                     llm = LLM(model, policy, loaded=loaded, kv_cache_memory=factor * pool_bytes,
                               max_batch_size=sp.max_batch_size, max_num_batched_tokens=sp.max_num_batched_tokens,
                               seed=seed, admission=mode, kv_cache_dtype=kv_cache_dtype,
-                              host_kv_dtype=host_kv_dtype)  # fmt: skip
+                              host_kv_dtype=host_kv_dtype, kv_float_window=kv_float_window)  # fmt: skip
                     progress.set_note(f"{scenario} {name}" + (f" (run {rep + 1}/{repeats})" if repeats > 1 else ""))
                     runs_of[name].append(run_engine_stream(llm, requests))
                     results.setdefault(name, runs_of[name][0])

@@ -112,19 +112,48 @@ class CacheManager(SessionContinuation):
         return kv.table.blocks_for(kv.table.num_tokens + n_new) - len(kv.table)
 
     def room_needed(self, kv: SequenceKV, n_new: int) -> int:
-        """Free blocks (``num_free``) a step of ``n_new`` tokens takes: its new blocks, and, where it leaves a block
-        open that was not (per-channel int4 keys), the blocks' worth of that block's float copy."""
-        bs, n = self.block_size, kv.table.num_tokens
-        opens = self.pool.open_copy_bytes and (n + n_new) % bs and not n % bs
-        copy = -(-self.pool.open_copy_bytes // self.pool.bytes_per_block) if opens else 0
-        return self.blocks_needed(kv, n_new) + copy
+        """Free blocks (``num_free``) a step of ``n_new`` tokens takes: its new blocks, where it leaves a block open
+        and the sequence holds no open block's float copy now (per-channel int4 keys; a block brought back open, by a
+        swap-in or a session's restore, has none until it is written) the blocks' worth of that copy, and the float
+        window's copies of the new blocks less those of the blocks leaving the window."""
+        bs, n, entries = self.block_size, kv.table.num_tokens, kv.table.entries
+        held = n % bs and n // bs < len(entries) and self.pool.has_open_copy(entries[n // bs])
+        opens = self.pool.open_copy_bytes and (n + n_new) % bs and not held
+        extra = self.pool.open_copy_bytes if opens else 0
+        if (window := self.pool.window) is not None:
+            joins, leaves = self._window_moves(kv, n_new)
+            extra += max(0, len(joins) - len(leaves)) * window.block_bytes
+        return self.blocks_needed(kv, n_new) + -(-extra // self.pool.bytes_per_block)
 
     def reserve(self, kv: SequenceKV, n_new: int) -> Reservation:
-        """Give the next ``n_new`` tokens slots; the caller has checked ``blocks_needed`` against free blocks."""
-        undo = Reservation(len(kv.table.entries), kv.table.num_tokens)
-        kv.table.entries.extend(self.pool.allocate(self.blocks_needed(kv, n_new)))
-        kv.table.num_tokens += n_new
+        """Give the next ``n_new`` tokens slots; the caller has checked ``room_needed`` against free blocks. Under a
+        float window the new blocks that hold one of the last ``kv_float_window`` tokens get float copies and the
+        blocks that no longer do give theirs up."""
+        table = kv.table
+        undo = Reservation(len(table.entries), table.num_tokens)
+        window = self.pool.window
+        leaves = self._window_moves(kv, n_new)[1] if window is not None else []
+        table.entries.extend(self.pool.allocate(self.blocks_needed(kv, n_new)))
+        table.num_tokens += n_new
+        if window is not None:
+            first = window.first_block(table.num_tokens)
+            window.update([table.entries[i] for i in range(max(first, undo.entries), len(table))], leaves)
+            table.window_from = first
+            held = sum(1 for b in table.entries[first:] if b >= 0 and window.has(b))
+            kv.stats.record_window(held * window.block_bytes)
         return undo
+
+    def _window_moves(self, kv: SequenceKV, n_new: int) -> tuple[list[int], list[int]]:
+        """For a step of ``n_new`` tokens: the logical indices of the new blocks that join the float window, and the
+        device blocks whose copies leave it (the rule: ``FloatWindow.first_block``)."""
+        window, table = self.pool.window, kv.table
+        assert window is not None
+        first = window.first_block(table.num_tokens + n_new)
+        new_blocks = table.blocks_for(table.num_tokens + n_new)
+        joins = list(range(max(first, len(table)), new_blocks))
+        stop = min(first, len(table))
+        leaves = [b for b in table.entries[table.window_from : stop] if b >= 0 and window.has(b)]
+        return joins, leaves
 
     def rollback(self, kv: SequenceKV, undo: Reservation) -> None:
         """Undo ``reserve``: the step's tokens get no slots and the blocks allocated for them go back."""
@@ -166,10 +195,13 @@ class CacheManager(SessionContinuation):
 
     def outside_blocks(self, kv: SequenceKV, total_tokens: int) -> int:
         """Blocks' worth of device bytes a sequence may keep outside the pool: its open block's float copy of
-        per-channel keys (one open block at a time), and, under ``demote_dtype``, a demoted copy of every block
-        eviction may take (all but the floor: sinks and the protected recent tokens)."""
+        per-channel keys (one open block at a time), its float window's copies (``kv_float_window``: the blocks the
+        last tokens span), and, under ``demote_dtype``, a demoted copy of every block eviction may take (all but the
+        floor: sinks and the protected recent tokens)."""
         pool, c = self.pool, kv.controller
         outside = pool.open_copy_bytes
+        if pool.window is not None:  # the float window's copies: the blocks its tokens span, at most
+            outside += min(kv.table.blocks_for(total_tokens), pool.window.max_blocks) * pool.window.block_bytes
         if c.evicts and c.policy.demote_dtype != "none":
             floor = kv.table.blocks_for(min(total_tokens, self.floor_tokens(kv)))
             evictable = max(0, kv.table.blocks_for(total_tokens) - floor)

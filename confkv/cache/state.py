@@ -24,6 +24,9 @@ class KVStats:
     host_bytes: int = 0
     host_peak_bytes: int = 0
     demoted_peak_bytes: int = 0  # the most its demoted blocks (``demote_dtype``) held on the device
+    window_peak_bytes: int = 0  # the most its float window's copies (``kv_float_window``) held on the device
+    window_bytes_sum: int = 0  # over the steps that reserved its slots: its float window's bytes after each
+    window_steps: int = 0
     resident_sum: int = 0  # over generated tokens: tokens resident when each was computed
     resident_count: int = 0
 
@@ -48,7 +51,15 @@ class KVStats:
             "expansions": self.expansions,
             "host_peak_bytes": self.host_peak_bytes,
             "demoted_peak_bytes": self.demoted_peak_bytes,
+            "float_window_peak_bytes": self.window_peak_bytes,
+            "float_window_mean_bytes": self.window_bytes_sum / self.window_steps if self.window_steps else 0.0,
         }
+
+    def record_window(self, nbytes: int) -> None:
+        """A step reserved slots and left the sequence's float window holding ``nbytes``."""
+        self.window_peak_bytes = max(self.window_peak_bytes, nbytes)
+        self.window_bytes_sum += nbytes
+        self.window_steps += 1
 
     def record_compute(self, resident: int, device_blocks: int, generated: bool) -> None:
         self.peak_resident_tokens = max(self.peak_resident_tokens, resident)

@@ -120,6 +120,7 @@ class LLMEngine:
             dtype=dtype,
             device=self.device,
             kv_cache_dtype=config.kv_cache_dtype,
+            float_window=config.kv_float_window,
         )
         scaling = attention.probe(self.model, self.pool, self.model.config.vocab_size)
         host_fmt = None

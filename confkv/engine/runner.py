@@ -75,6 +75,7 @@ class ModelRunner:
         sampling: list[ScheduledChunk] = []
         capture_decode = False
         prefill_captures: list[int] = []
+        float_window = self.pool.window if self.pool.window is not None and self.pool.window.num_blocks else None
 
         for chunk in chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
@@ -107,7 +108,9 @@ class ModelRunner:
                 decode_track.append(0.0 if decode_mode == "none" else 1.0)
                 capture_decode = capture_decode or seq.seq_id in capture
             else:
-                key_slots, key_pos = table.resident_slots(start + n, device)
+                key_slots, key_pos = table.resident_slots(start + n, "cpu")
+                window_plan = float_window.rows_of(key_slots) if float_window is not None and start > 0 else None
+                key_slots, key_pos = key_slots.to(device, non_blocking=True), key_pos.to(device, non_blocking=True)
                 demoted = self._demoted(seq.seq_id, start + n) if start > 0 else None
                 if chunk.samples and seq.seq_id in capture:
                     prefill_captures.append(seq.seq_id)
@@ -146,14 +149,14 @@ class ModelRunner:
                         window_start=window_start,
                         capture=chunk.samples and seq.seq_id in capture,
                         demoted=None if demoted is None else (self.demoted.codec(seq.seq_id), demoted),
+                        window=window_plan,
                     )
                 )
 
-        batch = PackedBatch(
-            pool=self.pool,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            prefills=prefills,
-        )
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        batch = PackedBatch(pool=self.pool, slot_mapping=slot_mapping.to(device), prefills=prefills)
+        if float_window is not None:
+            batch.window_store = float_window.rows_of(slot_mapping)
         if decode_blocks:
             nd = len(decode_blocks)
             bs = self.pool.block_size
@@ -173,6 +176,8 @@ class ModelRunner:
             batch.decode_pos = key_pos.to(device)
             batch.decode_qpos = qpos.to(device)
             batch.capture_decode = capture_decode
+            if float_window is not None:  # the gathered blocks, in gathered order
+                batch.decode_window = float_window.blocks_of(blocks.reshape(-1))
             if decode_demoted:
                 self._pack_demoted(batch, decode_demoted, nd, qpos)
             if any(decode_track):  # slots only where attention mass is recorded per slot

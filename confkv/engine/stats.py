@@ -20,6 +20,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "pool_tokens": pool.num_tokens,
         "pool_bytes_per_token": pool.bytes_per_token,
         "kv_cache_dtype": pool.kv_cache_dtype,
+        "kv_float_window": pool.window.tokens if pool.window is not None else 0,
+        "float_window_used_bytes": pool.window.used_bytes if pool.window is not None else 0,
         "committed_blocks": s.committed_total(),
         "host_used_bytes": host.used_bytes,
         "host_peak_bytes": host.peak_bytes,

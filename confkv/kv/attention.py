@@ -40,6 +40,9 @@ from confkv.kv.quant import KVCodec
 
 ATTN_IMPLEMENTATION = "confkv"
 
+#: Rows of a tensor that have float-window copies and the copies' rows in the window's arena (both on the device).
+WindowPlan = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass
 class PrefillSpan:
@@ -56,6 +59,8 @@ class PrefillSpan:
     capture: bool = False  # keep the last query and its log-sum-exp (for recall scoring)
     #: The sequence's demoted blocks (``confkv/kv/demoted.py``) and their codec, attended beside the pool's keys.
     demoted: tuple[KVCodec, DemotedKeys] | None = None
+    #: Which of ``key_slots`` have float-window copies and the copies' rows (``FloatWindow.rows_of``).
+    window: WindowPlan | None = None
 
 
 @dataclass
@@ -89,6 +94,10 @@ class PackedBatch:
     decode_demoted: list[tuple[KVCodec, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     decode_demoted_valid: torch.Tensor | None = None  # [num_decode, width] bool
     decode_demoted_pos: torch.Tensor | None = None  # [num_decode, width] true positions
+    #: Float window (``confkv/kv/window.py``): which packed tokens write copies, and which of the decode rows'
+    #: gathered blocks (flattened ``[num_decode * max_blocks]``) read them; None where none does.
+    window_store: WindowPlan | None = None
+    decode_window: WindowPlan | None = None
 
 
 #: PyTorch's fused CPU attention (flash), called directly where its log-sum-exp is needed as well as its output.
@@ -132,8 +141,11 @@ def _decode_attention(
         kvh, k_row, v_row = pool.num_kv_heads, pool.k_row, pool.v_row
         k_rows = pool.k[layer].view(pool.num_blocks, -1).index_select(0, flat).view(n, -1, bs, kvh, k_row)
         v_rows = pool.v[layer].view(pool.num_blocks, -1).index_select(0, flat).view(n, -1, kvh, v_row)
-        keys = pool.dequant_k(k_rows).view(unpacked).transpose(1, 2)
-        values = pool.dequant(v_rows).transpose(1, 2)
+        keys, values = pool.dequant_k(k_rows), pool.dequant(v_rows)
+        if batch.decode_window is not None:  # the newest tokens' exact rows instead of their codes, block by block
+            blocks = (-1, bs, pool.num_kv_heads, pool.head_dim)
+            pool.window.read_into(layer, batch.decode_window, keys.view(blocks), values.view(blocks))
+        keys, values = keys.view(unpacked).transpose(1, 2), values.transpose(1, 2)
     valid, key_pos, pool_keys = batch.decode_valid, batch.decode_pos, keys.shape[2]
     if batch.decode_demoted:
         keys, values = _with_demoted(batch, layer, keys, values)
@@ -208,8 +220,11 @@ def _prefill_attention(
     if span.fresh:
         keys, values, key_slots, key_pos = k, v, span.key_slots, span.q_pos
     else:
-        keys = pool.keys_at(layer, span.key_slots).transpose(0, 1)  # [kvh, L, D]
-        values = pool.dequant(pool.v[layer][span.key_slots]).transpose(0, 1)
+        keys = pool.keys_at(layer, span.key_slots)  # [L, kvh, D]
+        values = pool.dequant(pool.v[layer][span.key_slots])
+        if span.window is not None:  # the newest tokens' exact rows instead of their codes
+            pool.window.read_into(layer, span.window, keys, values)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kvh, L, D]
         key_slots, key_pos = span.key_slots, span.key_pos
         if span.demoted is not None:
             codec, d = span.demoted
@@ -287,6 +302,8 @@ def confkv_attention(
     k = key[0].transpose(0, 1)  # [tokens, kvh, D]
     v = value[0].transpose(0, 1)
     pool.store(layer, batch.slot_mapping, k, v)
+    if batch.window_store is not None:
+        pool.window.write(layer, batch.window_store, k, v)
 
     out = torch.empty_like(q)
     captures: Captures = ([], [])

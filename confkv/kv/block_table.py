@@ -18,6 +18,9 @@ class BlockTable:
         self.entries: list[int] = []
         #: Tokens whose slots exist (computed, or reserved for the step being run).
         self.num_tokens = 0
+        #: The first logical block that may still hold a float-window copy (``confkv/kv/window.py``): the blocks
+        #: before it have left the window.
+        self.window_from = 0
 
     def __len__(self) -> int:
         return len(self.entries)

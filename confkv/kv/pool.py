@@ -25,6 +25,7 @@ import torch
 
 from confkv.errors import ConfkvError
 from confkv.kv.quant import ChannelKeyCodec, KVCodec, KVFormat
+from confkv.kv.window import FloatWindow
 
 
 @dataclass
@@ -55,8 +56,10 @@ class BlockPool:
         dtype: torch.dtype,
         device: torch.device | str,
         kv_cache_dtype: str = "auto",
+        float_window: int = 0,
     ) -> None:
-        """``dtype``: the model's (what attention computes in); ``kv_cache_dtype``: how K and V are stored."""
+        """``dtype``: the model's (what attention computes in); ``kv_cache_dtype``: how K and V are stored;
+        ``float_window``: tokens of each sequence also kept in ``dtype`` beside a quantised pool (``window``)."""
         if num_blocks < 1:
             raise ConfkvError("the KV pool holds no block: raise kv_cache_memory")
         self.num_layers = num_layers
@@ -103,6 +106,13 @@ class BlockPool:
         #: Attention mass each slot has received (summed over heads and layers); block importance for eviction.
         self.score = torch.zeros(slots, dtype=torch.float32, device=self.device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        #: Exact K and V of the blocks holding each sequence's last ``float_window`` tokens (``confkv/kv/window.py``);
+        #: ``None`` at ``auto`` (every row is exact already) or without a window.
+        self.window: FloatWindow | None = None
+        if float_window > 0 and self.fmt.quantised:
+            self.window = FloatWindow(float_window, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                      head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, dtype=dtype,
+                                      device=self.device)  # fmt: skip
 
     @staticmethod
     def geometry(model_config: Any) -> tuple[int, int, int]:
@@ -143,15 +153,20 @@ class BlockPool:
             return 0
         return self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * 4
 
+    def has_open_copy(self, block: int) -> bool:
+        """Whether an open block keeps a float copy of its keys now (per-channel keys only)."""
+        return block in self._open
+
     def count_outside(self, source: Callable[[], int]) -> None:
         """Count bytes that live outside the preallocation but share its budget (the demoted copies) as used."""
         self._outside.append(source)
 
     @property
     def outside_bytes(self) -> int:
-        """Device bytes kept beside the pool on its budget: open blocks' float copies and what ``count_outside``
-        names."""
-        return len(self._open) * self.open_copy_bytes + sum(source() for source in self._outside)
+        """Device bytes kept beside the pool on its budget: open blocks' float copies, the float window's copies and
+        what ``count_outside`` names."""
+        window = self.window.used_bytes if self.window is not None else 0
+        return len(self._open) * self.open_copy_bytes + window + sum(source() for source in self._outside)
 
     @property
     def outside_blocks(self) -> int:
@@ -290,9 +305,12 @@ class BlockPool:
         self._free.extend(ids)
 
     def _forget_open(self, ids: list[int]) -> None:
-        """Blocks handed out, freed or overwritten: their float copies go, and no planned key write survives."""
+        """Blocks handed out, freed or overwritten: their float copies (open keys, the window's) go, and no planned
+        key write survives."""
         for b in ids:
             self._open.pop(b, None)
+        if self.window is not None:
+            self.window.forget(ids)
         self._key_write = None
 
     def forget_from(self, block: int, filled: int) -> None:

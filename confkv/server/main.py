@@ -172,6 +172,7 @@ def load_engine(args: argparse.Namespace, settings: ServerSettings) -> tuple[LLM
             "kv_cache_memory": args.kv_cache_memory,
             "kv_cache_dtype": args.kv_cache_dtype,
             "host_kv_dtype": args.host_kv_dtype,
+            "kv_float_window": args.kv_float_window,
             "max_batch_size": args.max_batch_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len,
@@ -188,7 +189,8 @@ def load_engine(args: argparse.Namespace, settings: ServerSettings) -> tuple[LLM
         f"confkv: model {args.model} loaded in {time.perf_counter() - t0:.1f}s on {engine.device}; "
         f"policy {info['name']} (version {info['version']}, from {info['source']}); "
         f"KV pool {engine.pool.total_bytes / 2**20:.1f} MiB ({engine.pool.num_tokens} tokens at "
-        f"kv_cache_dtype {engine.pool.kv_cache_dtype}); "
+        f"kv_cache_dtype {engine.pool.kv_cache_dtype}"
+        f"{f', float window {engine.pool.window.tokens}' if engine.pool.window is not None else ''}); "
         f"session store {sessions.store_url or 'none (memory only)'}"
         f"{' (write-through)' if sessions.write_through and sessions.store_url else ''}",
         file=sys.stderr,

@@ -103,6 +103,10 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     ),
     "confkv:host_cache_used_bytes": ("host_used_bytes", "Bytes of evicted KV held in the host tier."),
     "confkv:demoted_kv_used_bytes": ("demoted_used_bytes", "Bytes of demoted (low-precision) KV on the device."),
+    "confkv:float_window_used_bytes": (
+        "float_window_used_bytes",
+        "Bytes of the float window's exact copies of the newest tokens' KV (kv_float_window).",
+    ),
     "confkv:breaker_tripped": ("breaker_tripped", "1 while the circuit breaker holds sequences at their floor."),
 }
 #: counters read from ``engine.stats()`` (monotonic there): metric name (without _total) -> (stats key, help)
