@@ -291,12 +291,24 @@ class ScoringSession:
         # a one-token chunk that set off a recall is not done until its second pass
         while rerun := [st for st in stepped if st.seq.rerun and not st.seq.finished]:
             self._engine_step(rerun)
+        self._raise_failed()
         reported = [st for st in self._live.values() if st.fresh]
         for st in reported:
             if st.done:
                 del self._live[st.index]
                 self._results[st.index] = st.result(self.scorer.engine.pool.bytes_per_block)
         return reported
+
+    def _raise_failed(self) -> None:
+        """An item the engine finished with an error never reports rows again: without this, ``Scorer.score`` would
+        wait for it forever. The others stay live (``close`` frees them), as the engine left them intact."""
+        failed = [st for st in self._live.values() if st.seq.finished and not st.done]
+        for st in failed:
+            del self._live[st.index]
+        if failed:
+            st = failed[0]
+            reason = st.seq.error or st.seq.finish_reason
+            raise ConfkvError(f"scoring item {st.index} ({len(st.item.token_ids)} tokens) failed: {reason}")
 
     def _engine_step(self, stepped: list[ItemState]) -> None:
         chosen = {st.index for st in stepped}

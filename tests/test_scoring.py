@@ -133,3 +133,25 @@ def test_a_session_step_reports_each_one_token_chunk_after_its_second_pass_and_l
         assert r.num_tokens == len(ids) - score_from == sum(sizes) and set(sizes[1:-1]) == {chunk}
         assert r.kv["recalled_blocks"] > 0
         assert (llm.engine.num_reruns > 0) == (chunk == 1)
+
+
+@pytest.mark.timeout(60)
+def test_an_item_whose_forward_pass_fails_is_an_error_not_a_wait(tiny, monkeypatch):
+    """The engine finishes a request whose pass raises with an error and keeps the others; scoring must say so
+    instead of waiting for rows that never come (it looped forever), and free what the other items held."""
+    llm = LLM("tiny-random", "full", loaded=tiny, compact_interval=16)
+    good, bad = texts(llm.tokenizer)[2:0:-1]  # the longer one first: it is still running when the other fails
+    run = llm.engine.runner.run
+
+    def failing(chunks, **kw):
+        if any(ch.seq.request_id.endswith("-1") and ch.seq.num_computed > 40 for ch in chunks):  # item 1, midway
+            raise RuntimeError("injected fault")
+        return run(chunks, **kw)
+
+    monkeypatch.setattr(llm.engine.runner, "run", failing)
+    with pytest.raises(ConfkvError, match=r"scoring item 1 .*failed: forward pass failed: injected fault"):
+        Scorer(llm.engine).score([ScoreItem(good, 5), ScoreItem(bad, 5)])
+    assert llm.engine.pool.num_used == 0
+    monkeypatch.undo()
+    (r,) = Scorer(llm.engine).score([ScoreItem(good, 5)])  # the engine still scores
+    assert r.num_tokens == len(good) - 5
