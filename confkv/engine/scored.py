@@ -54,10 +54,16 @@ class ScoredRows:
         seq.ctrl = state
         if seq.seq_id in res.captured and reselects(ch):
             self.manager.reselect(kv, seq.last_query[0], state.budget)
-        elif (c.evicts and state.budget > kv.budget and seq.prompt_done and self.recall.expand(seq, state.budget, res)
-              and ch.num_tokens == 1):  # fmt: skip
-            self.recall.defer(seq)  # the row waits for its second pass
-            return StepOutput(seq.request_id, [], finished=False)
+        elif c.evicts and state.budget > kv.budget and seq.prompt_done:
+            if ch.num_tokens > 1 and kv.prompt_trimmed:
+                # the chunk's tokens leave first, as the budget in force says (what ``after_step`` would do next and
+                # decoding did token by token), so the expansion recalls into the whole room the new budget gives,
+                # as ``LLMEngine.resize`` does between segments; recalled first, they would take that room and be
+                # the lowest-scored blocks the trim evicts
+                self.manager.evict_to(kv, kv.budget)
+            if self.recall.expand(seq, state.budget, res) and ch.num_tokens == 1:
+                self.recall.defer(seq)  # the row waits for its second pass
+                return StepOutput(seq.request_id, [], finished=False)
         return self._record(seq, first, signals, resident, budgets)
 
     def _record(self, seq: Sequence, first: int, signals: Signals, resident: int, budgets: list[float]) -> StepOutput:
