@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from confkv.bench.passkey import passkey_item
+from confkv.bench.passkey import PasskeyItem, passkey_item
 from confkv.bench.workloads.data import multikey_words
 from confkv.bench.workloads.items import (
     RETRIEVAL_MAX_TOKENS,
@@ -73,19 +73,8 @@ def passkey(
             cell_tag: tuple[str, ...] = () if kind == "repeat" else (kind,)
             for length in lengths:
                 for depth in depths:
-                    attempt = 0
-                    while True:  # passkey_item draws the key itself: redraw until it has the split's parity
-                        item = passkey_item(
-                            tokenizer,
-                            length,
-                            depth,
-                            seed_of("passkey", split, seed, rep, length, depth, *cell_tag, attempt),
-                            filler=kind,
-                            split=split,
-                        )
-                        if int(item.key) % 2 == parity:
-                            break
-                        attempt += 1
+                    item = _item_of_parity(tokenizer, length, depth, kind, split, parity,
+                                           ("passkey", split, seed, rep, length, depth, *cell_tag))  # fmt: skip
                     items.append(
                         WorkloadItem(
                             workload="passkey",
@@ -98,6 +87,19 @@ def passkey(
                         )
                     )
     return items
+
+
+def _item_of_parity(
+    tokenizer: Any, length: int, depth: float, filler: str, split: str, parity: int, tag: tuple[Any, ...]
+) -> PasskeyItem:
+    """A pass-key prompt whose key has the split's ``parity`` (so no key is both a training and a held-out answer):
+    ``passkey_item`` draws the key itself, so it is drawn again, seeded by ``tag`` and the attempt, until it has."""
+    attempt = 0
+    while True:
+        item = passkey_item(tokenizer, length, depth, seed_of(*tag, attempt), filler=filler, split=split)
+        if int(item.key) % 2 == parity:
+            return item
+        attempt += 1
 
 
 def _range(name: str, value: Any, kind: type) -> tuple[Any, Any]:
@@ -141,13 +143,7 @@ def passkey_varied(
         rng = rng_of("passkey-varied", split, seed, i)
         length = rng.randint(lo, hi)
         depth = round(rng.uniform(dlo, dhi), 3)
-        attempt = 0
-        while True:  # passkey_item draws the key itself: redraw until it has the split's parity
-            item = passkey_item(tokenizer, length, depth, seed_of("passkey-varied", split, seed, i, attempt),
-                                filler=filler, split=split)  # fmt: skip
-            if int(item.key) % 2 == parity:
-                break
-            attempt += 1
+        item = _item_of_parity(tokenizer, length, depth, filler, split, parity, ("passkey-varied", split, seed, i))
         items.append(
             WorkloadItem(
                 workload="passkey-varied",
