@@ -1,11 +1,17 @@
-"""Shared fixtures: the tiny random Llama (fast, exact) and, for tests marked slow, the real SmolLM2-135M."""
+"""Shared fixtures: the tiny random Llama (fast, exact) and, for tests marked slow, the real SmolLM2-135M; the policy
+registry's databases (SQLite, and the PostgreSQL CI runs)."""
 
 from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
 from confkv.model_loader import LoadedModel, load_model
+from store.db import dispose_engines, parse_url
 
 CPU = torch.device("cpu")
 
@@ -95,3 +101,46 @@ def data():
     from envs.episodes import build_episodes
 
     return build_episodes("tiny-random", workload="mixed", split="train")
+
+
+# ------------------------------------------------------------------- registry databases (SQLite and PostgreSQL)
+#: PostgreSQL tests run against this server, each in a fresh schema dropped afterwards; they skip when none answers.
+PG_BASE = os.environ.get("CONFKV_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def _pg_conninfo() -> str:
+    return parse_url(PG_BASE).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> None:
+    import psycopg
+
+    try:
+        psycopg.connect(_pg_conninfo(), connect_timeout=3).close()
+    except Exception as err:
+        pytest.skip(f"no PostgreSQL server answers at {PG_BASE} ({err}); set CONFKV_TEST_POSTGRES to one")
+
+
+@pytest.fixture
+def pg_url(pg_server: None):
+    import psycopg
+
+    schema = f"confkv_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    yield f"{PG_BASE}?options=-csearch_path%3D{schema}"
+    dispose_engines()
+    with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'registry.db'}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry_url(request: pytest.FixtureRequest) -> str:
+    """Each registry test once on the embedded SQLite default and once on the PostgreSQL that CI runs."""
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
