@@ -231,6 +231,7 @@ def train_sb3(
     on_checkpoint: Callable[[BaseAlgorithm, Best | None], None] | None = None,
     resume: str | Path | None = None,
     best: Best | None = None,
+    before_learn: Callable[[BaseAlgorithm], None] | None = None,
     **hyper: Any,
 ) -> BaseAlgorithm:
     """Train ``algo`` for ``timesteps`` environment steps (segments) with ``preset``'s settings (default quick;
@@ -247,7 +248,8 @@ def train_sb3(
     on an exception or an interrupt (save the model and the best weights). ``resume`` (a file ``model.save`` wrote)
     continues that model for ``timesteps`` more, its timestep count going on from where it stopped, with ``best``
     (the best of the earlier part) as the best so far. SAC's replay buffer is not saved: a resumed SAC run refills
-    it."""
+    it. ``before_learn(model)`` runs on a new model before its first evaluation (``agents.imitate``: start from a
+    copy of a teacher network)."""
     if keep not in ("best", "last"):
         raise ValueError(f"keep must be best or last (got {keep!r})")
     p = preset or PRESETS["quick"]
@@ -284,6 +286,8 @@ def train_sb3(
         raise ValueError(f"algo must be one of {ALGOS} (got {algo!r})")
     if continuous and resume is None:
         _start_at_the_centre(model)
+    if before_learn is not None and resume is None:
+        before_learn(model)
     if log_metrics is not None:
         model.set_logger(Logger(folder=None, output_formats=[_MetricsOutput(log_metrics)]))
     callback = _Progress(on_episode, evaluate, on_eval, p.eval_every, per_update, progress, on_best, on_checkpoint,

@@ -183,6 +183,32 @@ def _play(
     return scored, steps
 
 
+def play_episodes(
+    data: TuneData, decide: Callable[[int, int, np.ndarray], Any], action: str, weights: RewardWeights,
+    episodes: list[Episode],
+) -> list[tuple[list[np.ndarray], list[Any], list[float]]]:  # fmt: skip
+    """Every episode once, all in one batch, ``decide(episode, decision, observation)`` choosing each action; returns
+    each episode's observations, actions and step rewards as the environment gave them: what an imitation fits, or
+    a counterfactual (one decision forced, the rest by a rule) compares."""
+    env = ConfKVVecEnv(data, len(episodes), action, weights)
+    slots = env._slots
+    obs = [slots.start(i, ep) for i, ep in enumerate(episodes)]
+    out: list[tuple[list[np.ndarray], list[Any], list[float]]] = [([], [], []) for _ in episodes]
+    live = set(range(len(episodes)))
+    while live:
+        order = sorted(live)
+        actions = [decide(i, len(out[i][1]), obs[i]) for i in order]
+        for i, a, (o, reward, done, _info) in zip(order, actions, slots.advance_some(order, actions), strict=True):
+            out[i][0].append(obs[i])
+            out[i][1].append(a)
+            out[i][2].append(float(reward))
+            obs[i] = o
+            if done:
+                live.discard(i)
+    env.close()
+    return out
+
+
 def evaluate_agent(
     data: TuneData,
     act: Callable[[np.ndarray], Any],

@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         "searched around the default base",
     )  # fmt: skip
     train.add_argument(
+        "--init-network", default=None, metavar="DIR",
+        help="ppo --action budget: before RL, fit the agent to this exported budget network's decisions on the "
+        "training episodes (behaviour cloning; its value function to that network's returns), so the result is "
+        "learned by imitation, then RL (e.g. a hand rule from benchmarks/rule_network.py)",
+    )  # fmt: skip
+    train.add_argument(
         "--keep", choices=["best", "last"], default=None,
         help="ppo/sac: export the policy of the best evaluation on the training episodes (or on the share "
         "--validation-fraction holds out; the untrained one counts; default in teacher mode) or as the last update "

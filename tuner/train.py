@@ -21,7 +21,7 @@ from tuner.interrupt import interruptible
 from tuner.options import reward_weights, scorer_names, summary_of
 from tuner.plots import optuna_trials_plot
 from tuner.tracking import DEFAULT_TRACKING_URI
-from tuner.train_rl import checkpoint_of, preset_of, train_rl, warm_start
+from tuner.train_rl import checkpoint_of, preset_of, teacher_network, train_rl, warm_start
 
 DEFAULT_TRIALS = 24
 #: ``--observation``'s choices and the observation layouts they name (``confkv.controllers.observation.OBS_VERSIONS``).
@@ -39,6 +39,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("sac needs --action knobs")
     if args.init_policy is not None and (args.algo == "optuna" or args.action != "knobs"):
         raise ConfkvError("--init-policy starts a knobs agent (ppo or sac with --action knobs)")
+    if args.init_network is not None and (args.algo != "ppo" or args.action != "budget" or args.resume):
+        raise ConfkvError("--init-network starts a new ppo agent with --action budget")
     if args.observation != "segment" and args.algo == "optuna":
         raise ConfkvError("--observation is for ppo or sac (an Optuna trial sets its knobs once, seeing nothing)")
     if args.relative_reward and args.algo == "optuna":
@@ -87,6 +89,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = out_folder(args.out)
     check_tracking_uri(args.tracking_uri)
     settings = _check_study(args, out, scorers) if args.algo == "optuna" else None
+    if args.init_network is not None:
+        teacher_network(args, OBSERVATIONS[args.observation])  # refused before the model loads
     resumed_from = checkpoint_of(args, out).get("run_id") if args.resume and args.algo != "optuna" else None
     args.run_id = None
     with interruptible(), stage(f"train {args.algo} on {args.model}"):
@@ -119,6 +123,7 @@ def _run(
         "algo": args.algo, "model": args.model, "workload": args.workload, "seed": args.seed,
         "episodes": len(data.episodes), "items_scale": args.items_scale, "timesteps": args.timesteps,
         "trials": args.trials, "action": args.action, "relative_reward": args.relative_reward,
+        "init_network": args.init_network,
         "validation_fraction": args.validation_fraction, "resume": args.resume,
         "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, "observation": args.observation,
         "obs_version": data.obs_version, **weights.__dict__,

@@ -103,6 +103,39 @@ def warm_start(args: argparse.Namespace, data: Any, scorers: list[str]) -> dict[
     return {"init_policy": args.init_policy, **{f"init_{k}": v for k, v in knobs.items()}}
 
 
+def teacher_network(args: argparse.Namespace, obs_version: int) -> Any:
+    """``--init-network``'s budget network, checked against the run before the model loads."""
+    from confkv.controllers.learned import MLPPolicy
+
+    try:
+        teacher = MLPPolicy.load(args.init_network)
+    except (OSError, ValueError, ConfkvError) as err:
+        raise ConfkvError(f"--init-network: cannot load a budget network from {args.init_network}: {err}") from None
+    if teacher.action != "budget":
+        raise ConfkvError(f"--init-network must be a budget network (got a {teacher.action} network)")
+    if teacher.obs_version != obs_version:
+        raise ConfkvError(f"--init-network reads observation layout {teacher.obs_version}; this run observes layout "
+                          f"{obs_version} (--observation)")  # fmt: skip
+    return teacher
+
+
+def _imitation(args: argparse.Namespace, data: Any, weights: Any, log_metrics: Any) -> Any:
+    """The ``before_learn`` that copies ``--init-network`` into a new PPO model (``agents.imitate``)."""
+    from agents.imitate import demonstrate, imitate
+
+    teacher = teacher_network(args, data.obs_version)
+    demo = demonstrate(data, teacher, weights, args.preset_obj.gamma)
+
+    def before_learn(model: Any) -> None:
+        fit = imitate(model, demo)
+        log_metrics(fit)
+        print(f"  imitation of {args.init_network}: {int(fit['imitation_samples'])} decisions, agreement "
+              f"{100 * fit['imitation_agreement']:.1f}%, policy entropy {fit['imitation_entropy']:.3f}, value "
+              f"explained variance {fit['imitation_value_explained_variance']:.3f}", file=sys.stderr)  # fmt: skip
+
+    return before_learn
+
+
 CHECKPOINT = "checkpoint.json"
 BEST_WEIGHTS = "best_policy.pt"
 
@@ -210,6 +243,9 @@ def train_rl(
                  "best_updates": None if best is None else best[1], "run_id": args.run_id}  # fmt: skip
         (out / CHECKPOINT).write_text(json.dumps(state, indent=2))
 
+    before_learn = None
+    if args.init_network is not None:
+        before_learn = _imitation(args, data, weights, log_metrics)
     resume = best = None
     timesteps = args.timesteps
     if args.resume:
@@ -228,7 +264,8 @@ def train_rl(
         model = train_sb3(args.algo, env, timesteps, preset=args.preset_obj, seed=args.seed, on_episode=on_episode,
                           log_metrics=lambda metrics, step: log_metrics(metrics, step=step), evaluate=evaluate,
                           on_eval=on_eval, progress=progress, keep=args.keep, on_select=on_select, on_best=export,
-                          on_checkpoint=on_checkpoint, resume=resume, best=best)  # fmt: skip
+                          on_checkpoint=on_checkpoint, resume=resume, best=best,
+                          before_learn=before_learn)  # fmt: skip
     env.close()
     export(model)
     on_checkpoint(model, None)
