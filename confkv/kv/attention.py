@@ -110,8 +110,9 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-#: Decode attention over a quantised pool reads the codes with the scales folded in (``confkv/kv/folded.py``) where
-#: it records nothing; False decodes every gathered row and runs SDPA (what the tests compare it with).
+#: Decode attention over an int8 or fp8 pool without a float window reads the codes with the scales folded in
+#: (``confkv/kv/folded.py``) where it records nothing; False decodes every gathered row and runs SDPA (what the tests
+#: compare it with).
 FOLD_DECODE = True
 
 
@@ -135,13 +136,12 @@ def _decode_attention(
     """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``."""
     pool = batch.pool
     plain = batch.decode_track is None and not batch.capture_decode and not batch.decode_demoted
-    if FOLD_DECODE and pool.codec is not None and plain:
-        # nothing to record: attention straight over the codes, scales folded into scores and probabilities
+    if FOLD_DECODE and plain and batch.decode_window is None and pool.codec is not None and folded.supported(pool):
+        # int8/fp8, nothing to record: attention straight over the codes, scales folded into scores and probabilities
         valid = batch.decode_valid
         if window is not None:
             valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
-        qg = _grouped(q, pool.num_kv_heads)
-        out = folded.decode_attention(pool, layer, batch.decode_blocks, qg, valid, scaling, batch.decode_window)
+        out = folded.decode_attention(pool, layer, batch.decode_blocks, _grouped(q, pool.num_kv_heads), valid, scaling)
         return out.reshape(q.shape)
     n, bs = batch.decode_blocks.shape[0], pool.block_size
     flat = batch.decode_blocks.reshape(-1)

@@ -269,8 +269,8 @@ class BlockPool:
     def gather_blocks(self, which: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Whole blocks ``[len(blocks), block_size * kv_heads * row]`` of one layer's ``which`` (``k[layer]`` or
         ``v[layer]``), one contiguous copy a block. A quantised block's bytes are moved as 8-byte words where they
-        divide into them: ``index_select`` copies rows of bytes element by element, several times slower than
-        rows of 8-byte words (the gather of an int8 pool took more time than ``auto``'s four times as many bytes)."""
+        divide into them: ``index_select`` copies rows of bytes more slowly than rows of 8-byte words (0.033 against
+        0.022 ms for 272 blocks of 3,168 bytes, an int8 decode step's gather of one layer's keys, on 2 threads)."""
         rows = which.view(self.num_blocks, -1)
         if rows.dtype == torch.uint8 and rows.shape[1] % 8 == 0 and rows.storage_offset() % 8 == 0:
             return rows.view(torch.int64).index_select(0, blocks).view(torch.uint8)
