@@ -34,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from confkv.kv import folded
 from confkv.kv.demoted import DemotedKeys
 from confkv.kv.pool import BlockPool
 from confkv.kv.quant import KVCodec
@@ -109,6 +110,12 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+#: Decode attention over an int8 or fp8 pool without a float window reads the codes with the scales folded in
+#: (``confkv/kv/folded.py``) where it records nothing; False decodes every gathered row and runs SDPA (what the tests
+#: compare it with).
+FOLD_DECODE = True
+
+
 def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
     """The kernels the attention function's SDPA calls may take during one forward pass on ``device``."""
     return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
@@ -128,6 +135,14 @@ def _decode_attention(
 ) -> torch.Tensor:
     """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``."""
     pool = batch.pool
+    plain = batch.decode_track is None and not batch.capture_decode and not batch.decode_demoted
+    if FOLD_DECODE and plain and batch.decode_window is None and pool.codec is not None and folded.supported(pool):
+        # int8/fp8, nothing to record: attention straight over the codes, scales folded into scores and probabilities
+        valid = batch.decode_valid
+        if window is not None:
+            valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
+        out = folded.decode_attention(pool, layer, batch.decode_blocks, _grouped(q, pool.num_kv_heads), valid, scaling)
+        return out.reshape(q.shape)
     n, bs = batch.decode_blocks.shape[0], pool.block_size
     flat = batch.decode_blocks.reshape(-1)
     # whole blocks, [n, kvh, keys, D]: one contiguous copy per block rather than one per token; the source is viewed
@@ -139,8 +154,8 @@ def _decode_attention(
         values = pool.v[layer].view(by_block).index_select(0, flat).view(unpacked).transpose(1, 2)
     else:  # the same block copies of the stored rows, then one dequantisation of what was gathered
         kvh, k_row, v_row = pool.num_kv_heads, pool.k_row, pool.v_row
-        k_rows = pool.k[layer].view(pool.num_blocks, -1).index_select(0, flat).view(n, -1, bs, kvh, k_row)
-        v_rows = pool.v[layer].view(pool.num_blocks, -1).index_select(0, flat).view(n, -1, kvh, v_row)
+        k_rows = pool.gather_blocks(pool.k[layer], flat).view(n, -1, bs, kvh, k_row)
+        v_rows = pool.gather_blocks(pool.v[layer], flat).view(n, -1, kvh, v_row)
         keys, values = pool.dequant_k(k_rows), pool.dequant(v_rows)
         if batch.decode_window is not None:  # the newest tokens' exact rows instead of their codes, block by block
             blocks = (-1, bs, pool.num_kv_heads, pool.head_dim)
