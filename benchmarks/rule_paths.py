@@ -157,8 +157,10 @@ def main() -> None:
     bs = data.base_policy.block_size
     for ep, er, gr, eok, gok in zip(chosen, env_rows, eng_rows, env_ok, eng_ok, strict=True):
         a, _ = ep.task  # type: ignore[misc]
-        print(f"\n## {ep.item_id}: {len(ep.item.token_ids)} tokens, scored from {ep.item.score_from}, answer at "
-              f"{ep.item.score_from + a}, key blocks {key_blocks(ep, bs)}; answered: environment {eok}, engine {gok}")
+        print(
+            f"\n## {ep.item_id}: {len(ep.item.token_ids)} tokens, scored from {ep.item.score_from}, answer at "
+            f"{ep.item.score_from + a}, key blocks {key_blocks(ep, bs)}; answered: environment {eok}, engine {gok}"
+        )
         print("segment | environment: ctrl applied resident key recalled | engine: the same | differ")
         for k in range(max(len(er), len(gr))):
             e = er[k].cells() if k < len(er) else ""
