@@ -248,7 +248,7 @@ def train_sb3(
     on an exception or an interrupt (save the model and the best weights). ``resume`` (a file ``model.save`` wrote)
     continues that model for ``timesteps`` more, its timestep count going on from where it stopped, with ``best``
     (the best of the earlier part) as the best so far. SAC's replay buffer is not saved: a resumed SAC run refills
-    it. ``before_learn(model)`` runs on a new model before its first evaluation (``agents.imitate``: start from a
+    it. ``before_learn(model)`` runs on a new model before its first evaluation (``tuner.imitate``: start from a
     copy of a teacher network)."""
     if keep not in ("best", "last"):
         raise ValueError(f"keep must be best or last (got {keep!r})")

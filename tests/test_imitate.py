@@ -1,4 +1,4 @@
-"""Starting a PPO budget agent as a copy of a teacher network (``--init-network``, ``agents.imitate``) and the
+"""Starting a PPO budget agent as a copy of a teacher network (``--init-network``, ``tuner.imitate``) and the
 counterfactual advantages of ``benchmarks/action_advantage.py``, on tiny-random's varied pass keys."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 import torch
 from stable_baselines3 import PPO
 
-from agents.imitate import demonstrate, imitate
 from benchmarks import action_advantage
 from confkv.controllers.learned import MLPPolicy
 from confkv.controllers.observation import obs_names
@@ -20,6 +19,7 @@ from envs.env import ConfKVVecEnv, RewardWeights
 from envs.episodes import build_episodes, default_base_policy
 from envs.evaluate import evaluate_agent
 from tuner.cli import main as tune_main
+from tuner.imitate import demonstrate, imitate
 
 WEIGHTS = RewardWeights(1.0, 6.0, 1.0)
 FEATURE = obs_names(2).index("entropy_max")

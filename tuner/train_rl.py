@@ -120,8 +120,8 @@ def teacher_network(args: argparse.Namespace, obs_version: int) -> Any:
 
 
 def _imitation(args: argparse.Namespace, data: Any, weights: Any, log_metrics: Any) -> Any:
-    """The ``before_learn`` that copies ``--init-network`` into a new PPO model (``agents.imitate``)."""
-    from agents.imitate import demonstrate, imitate
+    """The ``before_learn`` that copies ``--init-network`` into a new PPO model (``tuner.imitate``)."""
+    from tuner.imitate import demonstrate, imitate
 
     teacher = teacher_network(args, data.obs_version)
     demo = demonstrate(data, teacher, weights, args.preset_obj.gamma)
