@@ -158,55 +158,55 @@ def _from_results(
     return _summarise(rows, tok, weights)
 
 
-def _play(
-    data: TuneData, act: Callable[[np.ndarray], Any], action: str, weights: RewardWeights, episodes: list[Episode]
-) -> tuple[list[ScoreResult], list[list[float]]]:
-    """Every episode once, all in one batch, the agent choosing each segment's action from its observation; returns
-    each episode's scored tokens and the reward of each of its steps, as the environment gave them."""
+#: One played episode: its observations, the actions taken on them and each step's reward, as the environment gave them.
+Played = tuple[list[np.ndarray], list[Any], list[float]]
+
+
+def _run_episodes(
+    data: TuneData, decide: Callable[[int, int, np.ndarray], Any], action: str, weights: RewardWeights,
+    episodes: list[Episode], name: str,
+) -> tuple[list[ScoreResult], list[Played]]:  # fmt: skip
+    """Every episode once, all in one batch, ``decide(episode, decision, observation)`` choosing each action;
+    returns each episode's scored tokens and what was played."""
     env = ConfKVVecEnv(data, len(episodes), action, weights)
     slots = env._slots
     obs = [slots.start(i, ep) for i, ep in enumerate(episodes)]
-    steps: list[list[float]] = [[] for _ in episodes]
+    played: list[Played] = [([], [], []) for _ in episodes]
     live = set(range(len(episodes)))
-    with stage("evaluate the agent", total=len(episodes), unit="episodes") as progress:
+    with stage(name, total=len(episodes), unit="episodes") as progress:
         while live:
             order = sorted(live)
-            results = slots.advance_some(order, [act(obs[i]) for i in order])
-            for i, (o, reward, done, _info) in zip(order, results, strict=True):
+            actions = [decide(i, len(played[i][1]), obs[i]) for i in order]
+            for i, a, (o, reward, done, _info) in zip(order, actions, slots.advance_some(order, actions), strict=True):
+                played[i][0].append(obs[i])
+                played[i][1].append(a)
+                played[i][2].append(float(reward))
                 obs[i] = o
-                steps[i].append(float(reward))
                 if done:
                     live.discard(i)
                     progress.update(1)
     scored = [slots.session.result(slots.index[i]) for i in range(len(episodes))]  # type: ignore[arg-type]
     env.close()
-    return scored, steps
+    return scored, played
+
+
+def _play(
+    data: TuneData, act: Callable[[np.ndarray], Any], action: str, weights: RewardWeights, episodes: list[Episode]
+) -> tuple[list[ScoreResult], list[list[float]]]:
+    """Every episode once, the agent choosing each segment's action from its observation; returns each episode's
+    scored tokens and the reward of each of its steps."""
+    scored, played = _run_episodes(data, lambda _i, _k, obs: act(obs), action, weights, episodes, "evaluate the agent")
+    return scored, [rewards for _, _, rewards in played]
 
 
 def play_episodes(
     data: TuneData, decide: Callable[[int, int, np.ndarray], Any], action: str, weights: RewardWeights,
     episodes: list[Episode],
-) -> list[tuple[list[np.ndarray], list[Any], list[float]]]:  # fmt: skip
-    """Every episode once, all in one batch, ``decide(episode, decision, observation)`` choosing each action; returns
-    each episode's observations, actions and step rewards as the environment gave them: what an imitation fits, or
-    a counterfactual (one decision forced, the rest by a rule) compares."""
-    env = ConfKVVecEnv(data, len(episodes), action, weights)
-    slots = env._slots
-    obs = [slots.start(i, ep) for i, ep in enumerate(episodes)]
-    out: list[tuple[list[np.ndarray], list[Any], list[float]]] = [([], [], []) for _ in episodes]
-    live = set(range(len(episodes)))
-    while live:
-        order = sorted(live)
-        actions = [decide(i, len(out[i][1]), obs[i]) for i in order]
-        for i, a, (o, reward, done, _info) in zip(order, actions, slots.advance_some(order, actions), strict=True):
-            out[i][0].append(obs[i])
-            out[i][1].append(a)
-            out[i][2].append(float(reward))
-            obs[i] = o
-            if done:
-                live.discard(i)
-    env.close()
-    return out
+) -> list[Played]:  # fmt: skip
+    """Every episode once, ``decide(episode, decision, observation)`` choosing each action; returns each episode's
+    observations, actions and step rewards: what an imitation fits, or a counterfactual (one decision forced, the
+    rest by a rule) compares."""
+    return _run_episodes(data, decide, action, weights, episodes, "play the episodes")[1]
 
 
 def evaluate_agent(

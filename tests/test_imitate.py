@@ -9,11 +9,10 @@ from dataclasses import replace
 import mlflow
 import numpy as np
 import pytest
-import torch
 from stable_baselines3 import PPO
 
 from benchmarks import action_advantage
-from confkv.controllers.learned import MLPPolicy
+from benchmarks.rule_network import rule_network
 from confkv.controllers.observation import obs_names
 from envs.env import ConfKVVecEnv, RewardWeights
 from envs.episodes import build_episodes, default_base_policy
@@ -32,22 +31,14 @@ def varied():
     return data
 
 
-def rule_network(threshold: float) -> MLPPolicy:
-    """Expand when the latest segment's maximum entropy exceeds ``threshold``, else contract (one linear layer)."""
-    w = torch.zeros(3, len(obs_names(2)))
-    w[0, FEATURE], w[2, FEATURE] = -1e4, 1e4
-    b = torch.tensor([1e4 * threshold, -1.0, -1e4 * threshold])
-    return MLPPolicy(layers=[(w, b, "none")], action="budget", obs_version=2)
-
-
 def a_threshold_both_sides_of(data) -> float:
     """A threshold with decisions of the untrained rule on both sides, so the teacher expands and contracts."""
-    demo = demonstrate(data, rule_network(0.0), WEIGHTS, 0.5)
+    demo = demonstrate(data, rule_network("entropy_max", 0.0), WEIGHTS, 0.5)
     return float(np.median(demo.obs[:, FEATURE]))
 
 
 def test_imitation_copies_the_teachers_decisions_and_values(varied):
-    teacher = rule_network(a_threshold_both_sides_of(varied))
+    teacher = rule_network("entropy_max", a_threshold_both_sides_of(varied))
     demo = demonstrate(varied, teacher, WEIGHTS, gamma=0.5)
     assert set(demo.actions.tolist()) == {0, 2} and len(demo.obs) == len(demo.returns)
     # returns-to-go: the last decision of an episode returns its own step's reward only
@@ -70,7 +61,9 @@ def test_imitation_copies_the_teachers_decisions_and_values(varied):
 
 def test_train_starts_from_the_copy_and_says_so(varied, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    rule_network(a_threshold_both_sides_of(varied)).save(tmp_path / "rule", default_base_policy("tiny-random"))
+    rule_network("entropy_max", a_threshold_both_sides_of(varied)).save(
+        tmp_path / "rule", default_base_policy("tiny-random")
+    )
     common = ["train", "--model", "tiny-random", "--workload", "passkey-varied", "--quality-weight", "6",
               "--out", "run", "--no-register"]  # fmt: skip
     args = [*common, "--algo", "ppo", "--action", "budget", "--observation", "history", "--timesteps", "16",
