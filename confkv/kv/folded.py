@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import Fp8Codec, Int8Codec
+from confkv.kv.quant import Fp8Codec, Int8Codec, e4m3_as_half, from_f16
 
 
 def supported(pool: BlockPool) -> bool:
@@ -28,22 +28,15 @@ def supported(pool: BlockPool) -> bool:
     return pool.device.type == "cpu" and isinstance(k, (Int8Codec, Fp8Codec)) and type(k) is type(v)
 
 
-def _f16(rows: torch.Tensor, at: int) -> torch.Tensor:
-    """The float16 in bytes ``at, at + 1`` of each row ``[..., row]`` -> ``[...]`` float32."""
-    return rows[..., at : at + 2].contiguous().view(torch.float16).float().squeeze(-1)
-
-
 def _codes(rows: torch.Tensor, d: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Gathered rows ``[n, L, kvh, d + 2]`` -> codes as float32 ``[n, kvh, L, d]`` (one conversion pass, straight
     into that layout) and their scales ``[n, kvh, L]``. fp8's codes are its CPU decode's float16 reading of the e4m3
     bits (the value times 2^-8, ``Fp8Codec.decode``), so its scales carry the 2^8."""
     data = rows[..., :d].view(torch.int8).permute(0, 2, 1, 3)
-    scale = _f16(rows, d).transpose(1, 2)
+    scale = from_f16(rows[..., d : d + 2]).squeeze(-1).transpose(1, 2)
     if not fp8:
         return data.to(torch.float32, memory_format=torch.contiguous_format), scale
-    b = data.to(torch.int16, memory_format=torch.contiguous_format)
-    b <<= 7
-    return b.bitwise_and_(-0x4080).view(torch.float16).float(), scale * 256.0
+    return e4m3_as_half(data).float(), scale * 256.0
 
 
 def decode_attention(

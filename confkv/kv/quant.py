@@ -45,9 +45,22 @@ def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.to(_SCALE).contiguous().view(torch.uint8)
 
 
-def _from_f16(b: torch.Tensor) -> torch.Tensor:
+def from_f16(b: torch.Tensor) -> torch.Tensor:
     """``[..., 2]`` bytes -> ``[..., 1]`` float32 (a copy: a byte slice of a row is not aligned for a view)."""
     return b.contiguous().view(_SCALE).float()
+
+
+def e4m3_as_half(data: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes (any shape) -> float16 values 2^-8 times theirs, contiguous.
+
+    PyTorch converts float8 on the CPU element by element (3.7 ms for 800k values where int8 takes 0.2): the e4m3
+    bits moved into float16's place give the value times 2^-8, subnormals included, in a few integer passes.
+    e4m3fn's NaN (0x7f) becomes 480: only a NaN input makes one, and its row's scale is NaN too. The byte read as
+    int8 widens with its sign bit copied into the high byte; shifted up 7, the sign lands on float16's (bit 15) and
+    once more on bit 14, which the mask clears (0xBF80 as an int16)."""
+    b = data.view(torch.int8).to(torch.int16, memory_format=torch.contiguous_format)
+    b <<= 7
+    return b.bitwise_and_(-0x4080).view(torch.float16)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -102,7 +115,7 @@ class Int8Codec(KVCodec):
         d = rows.shape[-1] - 2
         # one pass: the multiply reads the int8 codes and writes float32 (type promotion), the same values as
         # converting first and multiplying after, without the converted copy
-        return torch.mul(rows[..., :d].view(torch.int8), _from_f16(rows[..., d:])).to(dtype)
+        return torch.mul(rows[..., :d].view(torch.int8), from_f16(rows[..., d:])).to(dtype)
 
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
         return self._scale(x) * 0.5 + x.float().abs().amax(-1, keepdim=True) * 2**-10
@@ -126,18 +139,11 @@ class Fp8Codec(KVCodec):
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         d = rows.shape[-1] - 2
-        data, scale = rows[..., :d], _from_f16(rows[..., d:])
+        data, scale = rows[..., :d], from_f16(rows[..., d:])
         if rows.device.type != "cpu":
             return data.view(torch.float8_e4m3fn).float().mul_(scale).to(dtype)
-        # PyTorch converts float8 on the CPU element by element (3.7 ms for 800k values where int8 takes 0.2): the
-        # e4m3 bits moved into float16's place give the value times 2^-8, subnormals included, in a few integer
-        # passes. e4m3fn's NaN (0x7f) becomes 480: only a NaN input makes one, and its row's scale is NaN too.
-        # The byte read as int8 widens with its sign bit copied into the high byte; shifted up 7, the sign lands
-        # on float16's (bit 15) and once more on bit 14, which the mask clears (0xBF80 as an int16).
-        b = data.view(torch.int8).to(torch.int16, memory_format=torch.contiguous_format)
-        b <<= 7
-        half = b.bitwise_and_(-0x4080).view(torch.float16)
-        return torch.mul(half, scale * 256.0).to(dtype)  # float16 times float32 is float32: one pass
+        # float16 times float32 is float32: one pass
+        return torch.mul(e4m3_as_half(data), scale * 256.0).to(dtype)
 
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
         # 3 mantissa bits: half a step is 2^-4 of the value; below e4m3's smallest normal (2^-6) the step is 2^-9
@@ -183,7 +189,7 @@ class _AsymmetricCodec(KVCodec):
             parts = [packed & self._levels]
             parts += [(packed >> (self.bits * j)) & self._levels for j in range(1, 8 // self.bits)]
             q = torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], d * (8 // self.bits))
-        return torch.mul(q, _from_f16(rows[..., d : d + 2])).add_(_from_f16(rows[..., d + 2 :])).to(dtype)
+        return torch.mul(q, from_f16(rows[..., d : d + 2])).add_(from_f16(rows[..., d + 2 :])).to(dtype)
 
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
         s, lo = self._grid(x)
