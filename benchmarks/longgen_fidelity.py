@@ -70,6 +70,11 @@ def main() -> None:
     ap.add_argument("--policies", default="dynamic", help="built-in policies at the stream's sizes (comma-separated)")
     ap.add_argument("--policy-file", action="append", default=[], help="also a YAML policy")
     ap.add_argument("--noise-floor", metavar="DTYPE", help="also full with its weights in DTYPE (e.g. bfloat16)")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=512,
+        help="tokens per engine step for full and every policy (the throughput suite's --max-num-batched-tokens): "
+        "a prompt is read, and under an evicting policy trimmed, in chunks of this size",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -79,7 +84,8 @@ def main() -> None:
     requests = make_longgen_requests(loaded.tokenizer, spec)
     prompts = [list(r.prompt_ids) for r in requests]
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
-    full = LLM(args.model, "full", loaded=loaded, max_batch_size=len(prompts))
+    chunk = {"max_batch_size": len(prompts), "max_num_batched_tokens": args.max_num_batched_tokens}
+    full = LLM(args.model, "full", loaded=loaded, **chunk)
     answers = full.generate(prompts, params)
     items = [(p + o.token_ids, 0, len(p)) for p, o in zip(prompts, answers, strict=True)]
     refs = build_references(full, items)
@@ -89,14 +95,14 @@ def main() -> None:
     for name, policy in stream_policies(names, args.policy_file, spec):
         if policy.controller == "full" and name == "full":
             continue
-        llm = LLM(args.model, policy, loaded=loaded, max_batch_size=len(prompts))
+        llm = LLM(args.model, policy, loaded=loaded, **chunk)
         scored = Scorer(llm.engine).score([ScoreItem(r.scored_ids, r.score_from, reference=r.topk) for r in refs])
         own = [o.text for o in llm.generate(prompts, params)]
         rows[name] = quality(scored, own, ref_texts)
         print(name, {k: tuple(round(x, 4) for x in v) for k, v in rows[name].items()}, flush=True)
     if args.noise_floor:
         other = load_model(args.model, device="cpu", dtype=args.noise_floor)
-        llm = LLM(args.model, "full", loaded=other, max_batch_size=len(prompts))
+        llm = LLM(args.model, "full", loaded=other, **chunk)
         scored = Scorer(llm.engine).score([ScoreItem(r.scored_ids, r.score_from, reference=r.topk) for r in refs])
         own = [o.text for o in llm.generate(prompts, params)]
         name = f"full@{args.noise_floor}"
@@ -106,6 +112,7 @@ def main() -> None:
         "model": args.model,
         "requests": len(prompts),
         "output_tokens": [low, high],
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "threads": torch.get_num_threads(),
         "seconds": round(time.perf_counter() - t0, 1),
         "policies": rows,

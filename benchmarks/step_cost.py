@@ -42,6 +42,7 @@ from confkv import LLM
 from confkv.bench.provenance import git_commit
 from confkv.bench.streams import LONGGEN_CPU, pool_bytes_for, stream_requests
 from confkv.bench.throughput import run_engine_stream, stream_policies
+from confkv.config import MIN_BATCHED_TOKENS
 from confkv.engine.engine import LLMEngine
 from confkv.model_loader import load_model
 
@@ -228,15 +229,22 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--full-fits", type=int, default=LONGGEN_CPU.full_fits)
     ap.add_argument("--max-batch-size", type=int, default=32)
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=LONGGEN_CPU.max_num_batched_tokens,
+        help="tokens per engine step (the throughput suite's --max-num-batched-tokens)",
+    )  # fmt: skip
     ap.add_argument("--min-steps", type=int, default=10, help="steps a running count needs to be compared")
     ap.add_argument("--json", type=Path, help="write the result here")
     ap.add_argument("--md", type=Path, help="write the tables here")
     args = ap.parse_args()
     if min(args.requests, args.full_fits, args.max_batch_size, args.min_steps) < 1:
         raise SystemExit("--requests, --full-fits, --max-batch-size and --min-steps take positive numbers")
+    if args.max_num_batched_tokens < MIN_BATCHED_TOKENS:
+        raise SystemExit(f"--max-num-batched-tokens takes a whole number of at least {MIN_BATCHED_TOKENS}")
     t_start = time.perf_counter()
     spec = dataclasses.replace(LONGGEN_CPU, requests=args.requests, full_fits=args.full_fits,
-                               max_batch_size=args.max_batch_size)  # fmt: skip
+                               max_batch_size=args.max_batch_size,
+                               max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
     loaded = load_model(args.model, device="cpu")
     requests = stream_requests(loaded.tokenizer, spec)
     names = [n.strip() for n in args.policies.split(",") if n.strip()]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from confkv.cli_args import build_parser, parse_admission, parse_admissions
-from confkv.config import BUILTIN_POLICIES
+from confkv.config import BUILTIN_POLICIES, MIN_BATCHED_TOKENS
 from confkv.errors import ConfkvError
 
 
@@ -262,12 +262,19 @@ def _bench_longgen(args: argparse.Namespace) -> int:
 
 
 def _operating_point(args: argparse.Namespace) -> dict[str, int]:
-    """``--full-fits`` and ``--max-batch-size`` as stream spec fields (the pool-size sweep of issue 34: every row
-    of a run gets the same pool and batch bound); whole numbers of at least 1, one line otherwise."""
-    changes = {"full_fits": args.full_fits, "max_batch_size": args.max_batch_size}
+    """``--full-fits``, ``--max-batch-size`` and ``--max-num-batched-tokens`` as stream spec fields (the pool-size
+    sweep of issue 34: every row of a run gets the same pool, batch bound and prompt chunk, so ``full`` runs under
+    the settings the policies do); whole numbers of at least 1 (the chunk: at least the engine's 16), one line
+    otherwise."""
+    changes = {
+        "full_fits": args.full_fits,
+        "max_batch_size": args.max_batch_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
     for key, value in changes.items():
-        if value is not None and value < 1:
-            raise ConfkvError(f"--{key.replace('_', '-')} takes a whole number of at least 1, not {value}")
+        least = MIN_BATCHED_TOKENS if key == "max_num_batched_tokens" else 1
+        if value is not None and value < least:
+            raise ConfkvError(f"--{key.replace('_', '-')} takes a whole number of at least {least}, not {value}")
     return {k: v for k, v in changes.items() if v is not None}
 
 

@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="throughput and longgen suites: at most N sequences in one step (the stream's own: 16 on a CPU)",
     )  # fmt: skip
     bench.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, metavar="N",
+        help="throughput and longgen suites: tokens per engine step for every row (the stream's own: 512 for "
+        "longgen on a CPU, 2,048 on a GPU); a prompt is read in chunks of up to N, and on-demand admission needs "
+        "room for a new request's first chunk",
+    )  # fmt: skip
+    bench.add_argument(
         "--runs", type=int, default=None,
         help="longgen suite: long answers per policy (default 16 on a CPU, 128 on a GPU, 6 for tiny-random; 1,000 is "
         "the requirement's)",

@@ -25,6 +25,8 @@ BUILTIN_POLICIES: tuple[str, ...] = ("full", "window", "streaming", "h2o", "snap
 MAX_TOKENS = 2**31 - 1
 #: The most bytes of host memory a policy may name (16 TiB): past any machine's memory, so a unit typo is refused.
 MAX_MEMORY_BYTES = 2**44
+#: The fewest tokens one engine step may take (a prompt's chunk with the decodes beside it).
+MIN_BATCHED_TOKENS = 16
 #: The old ``importance`` key, still read from policy files: what each value meant, as a scorer.
 _IMPORTANCE_SCORERS = {"attention": "h2o", "recency": "recency"}
 
@@ -337,7 +339,9 @@ class EngineConfig(BaseModel):
     )
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the pool if unset")
     max_batch_size: int = Field(32, ge=1, description="most sequences decoded together")
-    max_num_batched_tokens: int = Field(512, ge=16, description="tokens per step (prefill chunks + decodes)")
+    max_num_batched_tokens: int = Field(
+        512, ge=MIN_BATCHED_TOKENS, description="tokens per step (prefill chunks + decodes)"
+    )
     max_model_len: int | None = Field(None, ge=2, description="context limit; default the model's")
     seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="within torch's seed range")
     cache_dir: str | None = Field(None, description="where converted models are kept (default $CONFKV_CACHE)")

@@ -1,5 +1,6 @@
-"""``--full-fits`` and ``--max-batch-size``: the operating point of the throughput and longgen suites (issue 34's
-pool-size sweep) overrides the stream's spec for every row, and the report says which point it ran at."""
+"""``--full-fits``, ``--max-batch-size`` and ``--max-num-batched-tokens``: the operating point of the throughput
+and longgen suites (issue 34's pool-size sweep) overrides the stream's spec for every row, and the report says which
+point it ran at."""
 
 from __future__ import annotations
 
@@ -43,10 +44,36 @@ def test_the_longgen_suite_takes_the_operating_point_and_bad_values_are_one_line
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["full_fits"] == 1 and results["settings"]["max_batch_size"] == 1
     bad = ["bench", "--model", "tiny-random", "--suite", "throughput", "--scenarios", "longgen", "--out", "unused"]
-    for flag, value in (("--full-fits", "0"), ("--max-batch-size", "-3")):
+    for flag, value, least in (
+        ("--full-fits", "0", 1),
+        ("--max-batch-size", "-3", 1),
+        ("--max-num-batched-tokens", "8", 16),
+    ):
         assert main([*bad, flag, value]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and f"{flag} takes a whole number of at least 1" in err, err
+        assert err.count("\n") == 1 and f"{flag} takes a whole number of at least {least}" in err, err
     with pytest.raises(SystemExit) as usage:  # argparse's own usage error
         main([*bad, "--full-fits", "two"])
     assert usage.value.code == 2
+
+
+def test_max_num_batched_tokens_reaches_every_row_of_the_throughput_suite(tmp_path, capsys):
+    """Smaller chunks of 32 tokens (the tiny stream's own are 128): every row, ``full`` too, reads its 200-300
+    token prompts in more steps, and the settings and report say which chunk ran. Without the flag the suite ran
+    the stream's own chunk whatever was asked (issue 34: the chunk decides how much room admitting a request needs)."""
+    steps = {}
+    for chunk in (None, 32):
+        out = tmp_path / f"chunk-{chunk}"
+        args = ["bench", "--model", "tiny-random", "--suite", "throughput", "--policies", "full,dynamic",
+                "--scenarios", "longgen", "--requests", "2", "--no-hf", "--out", str(out)]  # fmt: skip
+        assert main(args + (["--max-num-batched-tokens", str(chunk)] if chunk else [])) == 0
+        capsys.readouterr()
+        results = json.loads((out / "results.json").read_text())
+        assert results["settings"]["max_num_batched_tokens"] == (chunk or TINY_LONGGEN.max_num_batched_tokens)
+        assert (
+            f"max_num_batched_tokens {chunk or TINY_LONGGEN.max_num_batched_tokens}" in (out / "report.md").read_text()
+        )
+        steps[chunk] = {name: len(trace) for name, trace in results["running_trace"]["longgen"].items()}
+    assert TINY_LONGGEN.max_num_batched_tokens == 128 and set(steps[None]) == {"full", "dynamic"}
+    for name in steps[None]:  # two prompts of 200-300 tokens: 2-3 chunks each at 128, 7-10 at 32
+        assert steps[32][name] >= steps[None][name] + 4, (name, steps)

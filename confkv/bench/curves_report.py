@@ -56,7 +56,8 @@ def write_curves_report(results: dict[str, Any], out_dir: str | Path) -> dict[st
         f"{s['prompt_tokens_mean']:.0f}), outputs {s['output_tokens'][0]}-{s['output_tokens'][1]} (mean "
         f"{s['output_tokens_mean']:.0f}, EOS ignored), all submitted at once; KV pool "
         f"{s['kv_cache_memory_bytes'] / 2**20:.1f} MiB ({s['full_fits']} full-cache sequences of the longest), "
-        f"admission {s['admission']}, max_batch_size {s['max_batch_size']}; {s['device']}, {s['threads']} threads; "
+        f"admission {s['admission']}, max_batch_size {s['max_batch_size']}, max_num_batched_tokens "
+        f"{s.get('max_num_batched_tokens', 'n/a')}; {s['device']}, {s['threads']} threads; "
         f"{s['seconds']:.0f} s in all.",
         "",
         *_summary_lines(results),

@@ -24,6 +24,7 @@ def _stream_line(s: dict[str, Any]) -> str:
         f"{s['requests']} {s.get('stream', 'chat')} requests, prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} "
         f"tokens (mean {s['prompt_tokens_mean']:.0f}), {outputs}; KV pool {s['kv_cache_memory_bytes'] / 2**20:.0f} "
         f"MiB = {s['full_fits']} full-cache sequences of the longest request; max_batch_size {s['max_batch_size']}"
+        + (f", max_num_batched_tokens {s['max_num_batched_tokens']}" if "max_num_batched_tokens" in s else "")
     )
 
 
