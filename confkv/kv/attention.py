@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from confkv.kv import folded
+from confkv.kv import folded, kernel
 from confkv.kv.demoted import DemotedKeys
 from confkv.kv.pool import BlockPool
 from confkv.kv.quant import KVCodec
@@ -115,6 +115,11 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 #: compare it with).
 FOLD_DECODE = True
 
+#: Decode attention over an int8, fp8 or int4 pool without a float window, where it records nothing, runs the C++
+#: kernel over the codes (``confkv/kv/kernel.py``) on the CPU; False (or ``CONFKV_DECODE_KERNEL=0`` in the
+#: environment) keeps the torch paths above, as does a kernel that could not be built.
+DECODE_KERNEL = kernel.enabled_by_env()
+
 
 def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
     """The kernels the attention function's SDPA calls may take during one forward pass on ``device``."""
@@ -136,6 +141,15 @@ def _decode_attention(
     """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``."""
     pool = batch.pool
     plain = batch.decode_track is None and not batch.capture_decode and not batch.decode_demoted
+    if DECODE_KERNEL and plain and batch.decode_window is None and kernel.supported(pool):
+        # int8/fp8/int4, nothing to record: one fused pass over the codes (None if the kernel could not be built)
+        valid = batch.decode_valid
+        if window is not None:
+            valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
+        qg = _grouped(q, pool.num_kv_heads)
+        out = kernel.decode_attention(pool, layer, batch.decode_blocks, qg, valid, scaling)
+        if out is not None:
+            return out.reshape(q.shape)
     if FOLD_DECODE and plain and batch.decode_window is None and pool.codec is not None and folded.supported(pool):
         # int8/fp8, nothing to record: attention straight over the codes, scales folded into scores and probabilities
         valid = batch.decode_valid

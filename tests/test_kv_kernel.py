@@ -1,0 +1,152 @@
+"""The C++ decode-attention kernel over a quantised pool's codes (``confkv/kv/kernel.py``): the same attention as
+decoding every row and running SDPA, within float32 rounding, for int8, fp8 and int4 with GQA, rows of different
+lengths, partial last blocks, padding blocks and a sliding window; the same greedy tokens in the engine; the torch
+path when it is switched off or cannot be built.
+
+The first test builds the kernel into the machine's cache (``$CONFKV_CACHE/kernels``) if it is not there: about a
+minute of g++ on the 2-core CI machine, once; later runs import the built module.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from confkv import LLM
+from confkv.engine.params import SamplingParams
+from confkv.kv import attention, kernel
+from confkv.kv.pool import BlockPool
+
+from .conftest import fresh_tiny
+
+DTYPES = ["int8", "fp8", "int4"]
+KVH, GROUPS = 2, 3
+LENGTHS = [37, 16, 5]  # tokens per row: a partial last block, exactly one full block, less than one block
+BS = 16
+
+
+def _pool(dtype: str, d: int) -> tuple[BlockPool, torch.Tensor, torch.Tensor]:
+    """Rows of ``LENGTHS`` tokens of random keys (some channels ten times the others, as RoPE'd keys have) and
+    values in two layers, written token by token's slots as the engine writes them; their blocks ``[n, width]``
+    (shorter rows padded with their last block, as the runner pads) and the valid slots ``[n, width * BS]``."""
+    torch.manual_seed(0)
+    per_row = [-(-n // BS) for n in LENGTHS]
+    pool = BlockPool(num_layers=2, num_kv_heads=KVH, head_dim=d, block_size=BS, num_blocks=sum(per_row) + 3,
+                     dtype=torch.float32, device="cpu", kv_cache_dtype=dtype)  # fmt: skip
+    pool.allocate(2)  # the rows' blocks do not start at block 0
+    width = max(per_row)
+    rows, valid = [], torch.zeros(len(LENGTHS), width * BS, dtype=torch.bool)
+    for i, (n, nb) in enumerate(zip(LENGTHS, per_row, strict=True)):
+        ids = pool.allocate(nb)
+        slots = pool.slots_of(ids)[:n]
+        for layer in range(2):
+            k = torch.randn(n, KVH, d) * (1 + 9 * (torch.rand(1, 1, d) < 0.1))
+            pool.store(layer, slots, k, torch.randn(n, KVH, d) + 0.5)
+        rows.append(ids + ids[-1:] * (width - nb))
+        valid[i, :n] = True
+    return pool, torch.tensor(rows), valid
+
+
+def _dequantised_sdpa(pool: BlockPool, layer: int, blocks: torch.Tensor, qg: torch.Tensor, valid: torch.Tensor):
+    """The reference: every gathered row decoded, then SDPA (the engine's eager path)."""
+    n, d = blocks.shape[0], pool.head_dim
+    flat = blocks.reshape(-1)
+    keys = pool.dequant_k(pool.k[layer].view(pool.num_blocks, BS, KVH, -1)[flat])
+    values = pool.dequant(pool.v[layer].view(pool.num_blocks, BS, KVH, -1)[flat])
+    keys = keys.reshape(n, -1, KVH, d).transpose(1, 2)
+    values = values.reshape(n, -1, KVH, d).transpose(1, 2)
+    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid[:, None, None, :], scale=d**-0.5)
+
+
+@pytest.mark.parametrize("d", [16, 64])  # tiny-random's head_dim (one int4 value group) and smollm2's (two)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_is_dequantise_then_sdpa(dtype: str, d: int) -> None:
+    """Within 1e-5 of the output's largest value (float32 rounding of a different summation order), per layer;
+    and with a sliding window (the oldest keys masked), equal to the reference under the same mask."""
+    pool, blocks, valid = _pool(dtype, d)
+    assert kernel.load() is not None, "the kernel did not build"
+    windowed = valid.clone()
+    windowed[0, :20] = False  # row 0 keeps its last 17 keys only
+    for layer in range(2):
+        qg = torch.randn(len(LENGTHS), KVH, GROUPS, d, generator=torch.Generator().manual_seed(layer)) * 3
+        for mask in (valid, windowed):
+            ref = _dequantised_sdpa(pool, layer, blocks, qg, mask)
+            out = kernel.decode_attention(pool, layer, blocks, qg, mask, d**-0.5)
+            assert out is not None and out.shape == ref.shape and out.dtype == ref.dtype
+            err = (out - ref).abs().max()
+            assert err < 1e-5 * ref.abs().max(), (dtype, d, layer, float(err))
+
+
+def test_masked_slots_are_not_read() -> None:
+    """A NaN in a masked slot (an unfilled tail, a padding block) changes nothing: the kernel never reads it."""
+    pool, blocks, valid = _pool("fp8", 64)
+    qg = torch.randn(len(LENGTHS), KVH, GROUPS, 64)
+    before = kernel.decode_attention(pool, 0, blocks, qg, valid, 0.125)
+    tail = int(blocks[0, 2]) * BS + LENGTHS[0] % BS  # row 0's first unfilled slot
+    pool.k[0, tail] = 0x7F  # e4m3's NaN code, and a NaN scale
+    pool.v[0, tail] = 0xFF
+    after = kernel.decode_attention(pool, 0, blocks, qg, valid, 0.125)
+    assert torch.isfinite(after).all() and torch.equal(before, after)
+
+
+def _generate(dtype: str) -> tuple[list[int], torch.Tensor]:
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_dtype=dtype, kv_cache_memory="4MiB")
+    prompts = [list(range(5, 45)), list(range(50, 63)), list(range(3, 20))]  # one decode batch of unequal rows
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0))
+    return [t for o in outs for t in o.token_ids], torch.tensor([lp.logprob for o in outs for lp in o.logprobs])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_generation_through_the_kernel_is_the_torch_path(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On tiny-random, greedy decoding reads the same tokens, each token's log-probability within float32 rounding
+    carried through the layers and steps, with the kernel and with it switched off; the kernel is what ran."""
+    calls = []
+    real = kernel.decode_attention
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernel, "decode_attention", counted)
+    monkeypatch.setattr(attention, "DECODE_KERNEL", True)
+    tokens, logprobs = _generate(dtype)
+    assert calls and all(calls)
+    calls.clear()
+    monkeypatch.setattr(attention, "DECODE_KERNEL", False)
+    ref_tokens, ref_logprobs = _generate(dtype)
+    assert not calls  # switched off: the torch path only
+    assert tokens == ref_tokens
+    assert (logprobs - ref_logprobs).abs().max() < 1e-3
+
+
+def test_the_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, on in [("0", False), ("off", False), ("False", False), ("no", False), ("1", True), ("", True)]:
+        monkeypatch.setenv(kernel.ENV, value)
+        assert kernel.enabled_by_env() is on, value
+    monkeypatch.delenv(kernel.ENV)
+    assert kernel.enabled_by_env()
+
+
+def test_a_failed_build_warns_once_and_the_torch_path_serves(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A compiler that refuses the build (here an unknown flag, which g++ rejects before compiling): one warning,
+    no exception, the engine generates through the torch path, and the pool is no longer offered to the kernel."""
+    monkeypatch.setenv("CONFKV_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel, "CFLAGS", [*kernel.CFLAGS, "-fconfkv-no-such-flag"])
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_failed", False)
+    monkeypatch.setattr(attention, "DECODE_KERNEL", True)
+    with caplog.at_level(logging.WARNING, logger=kernel.__name__):
+        tokens, _ = _generate("fp8")
+        pool, blocks, valid = _pool("fp8", 16)
+        assert not kernel.supported(pool)
+        assert kernel.decode_attention(pool, 0, blocks, torch.randn(3, KVH, GROUPS, 16), valid, 0.25) is None
+    warnings = [r for r in caplog.records if "could not be built" in r.getMessage()]
+    assert len(warnings) == 1
+    monkeypatch.setattr(attention, "DECODE_KERNEL", False)
+    assert _generate("fp8")[0] == tokens
