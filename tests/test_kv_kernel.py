@@ -150,3 +150,19 @@ def test_a_failed_build_warns_once_and_the_torch_path_serves(
     assert len(warnings) == 1
     monkeypatch.setattr(attention, "DECODE_KERNEL", False)
     assert _generate("fp8")[0] == tokens
+
+
+def test_the_engine_builds_the_kernel_when_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantised CPU pool's kernel is loaded (compiled, on a machine's first start) while the engine starts, so
+    the half minute of a first build falls before any request rather than inside one; an ``auto`` pool, or the
+    switch off, does not load it."""
+    loads = []
+    monkeypatch.setattr(kernel, "load", lambda: loads.append(1))
+    monkeypatch.setattr(attention, "DECODE_KERNEL", True)
+    LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_memory="4MiB")
+    assert loads == []
+    LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_dtype="int4", kv_cache_memory="4MiB")
+    assert loads == [1]
+    monkeypatch.setattr(attention, "DECODE_KERNEL", False)
+    LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_dtype="int4", kv_cache_memory="4MiB")
+    assert loads == [1]

@@ -43,7 +43,7 @@ from confkv.engine.sequence import RequestOutput, Sequence, Status, StepOutput
 from confkv.engine.stats import engine_stats
 from confkv.engine.stopping import output_text
 from confkv.errors import ConfkvError
-from confkv.kv import attention
+from confkv.kv import attention, kernel
 from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
 from confkv.kv.quant import KVFormat
@@ -123,6 +123,8 @@ class LLMEngine:
             float_window=config.kv_float_window,
         )
         scaling = attention.probe(self.model, self.pool, self.model.config.vocab_size)
+        if attention.DECODE_KERNEL and kernel.supported(self.pool):
+            kernel.load()  # a quantised CPU pool's decode kernel: built (once per machine) now, not in a request
         host_fmt = None
         if config.host_kv_dtype not in (None, config.kv_cache_dtype):  # the lower tiers in a form of their own
             try:
