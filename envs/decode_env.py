@@ -10,6 +10,9 @@ pass key, from the true key). Reward:
 
     memory_weight * (1 - resident fraction) - quality_weight * divergence   (+ task_weight for a correct key)
 
+With ``shaping`` (training only), a step also returns the headroom shaping of ``envs.env.Shaping``; episode
+summaries keep the plain reward.
+
 Observation and actions are those of the teacher-forced ``ConfKVEnv``, so an agent trained in either mode runs
 in both and in the engine. Decoding costs one forward pass per token, so this mode is slower to train on.
 """
@@ -29,6 +32,7 @@ from confkv.engine.sequence import Sequence
 from envs.env import (
     ReadController,
     RewardWeights,
+    Shaping,
     action_space,
     after_read,
     budget_range,
@@ -41,11 +45,15 @@ from envs.episodes import Episode, TuneData
 class ConfKVDecodeEnv(gym.Env):
     metadata = {"render_modes": []}  # noqa: RUF012
 
-    def __init__(self, data: TuneData, action: str = "knobs", weights: RewardWeights | None = None) -> None:
+    def __init__(
+        self, data: TuneData, action: str = "knobs", weights: RewardWeights | None = None,
+        shaping: Shaping | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.data = data
         self.kind = action
         self.weights = weights or RewardWeights()
+        self.shaping = shaping
         self.space = data.knob_space()
         self.budget_range = budget_range(action, data.base_policy, self.space)
         self.observation_space = observation_space(data.obs_version)
@@ -141,6 +149,7 @@ class ConfKVDecodeEnv(gym.Env):
         seq = self._seq()
         if seq is None:
             raise RuntimeError("the episode has ended; call reset()")
+        before = float(seq.ctrl.budget)  # the state the shaping starts from
         d = decide(action, self.kind, self.data.base_policy, self.space, self._segment, self._start, seq.ctrl.budget,
                    seq.controller.policy)  # fmt: skip
         seq.controller = d.controller
@@ -181,6 +190,9 @@ class ConfKVDecodeEnv(gym.Env):
             self._rid = None
         else:
             tot["reward"] += reward
+        if self.shaping is not None:  # after the totals: summaries keep the plain reward
+            info["shaping"] = self.shaping.term(before, float(seq.ctrl.budget), self.budget_range)
+            reward += info["shaping"]
         return self._observe(seq, segment), float(reward), done, False, info
 
     def close(self) -> None:

@@ -16,6 +16,13 @@ actions, so it changes no policy's ranking; it removes the spread of returns bet
 several times another's, a retrieval episode carries a task reward the base policy earns or not), which otherwise
 dominates the advantages an agent learns from. Episode summaries and evaluations keep the plain reward.
 
+With ``shaping`` (``Shaping``, training only: ``confkv-tune train --shaping-headroom K``), a step also returns
+``gamma * Phi(s') - Phi(s)`` with ``Phi = K x headroom``, the share of the budget range left above the sequence's
+budget (Ng, Harada & Russell 1999): a contraction is paid at once for the room it leaves, an expansion charged at
+once, where the plain reward pays contracting through a haystack only through an answer segments later. Over an
+episode the terms telescope (at gamma 1, to ``Phi(end) - Phi(start)``). Episode summaries and every evaluation
+keep the plain reward (``envs.evaluate`` builds its own environments, without shaping).
+
 The budget a knobs action implies (the *replay rule*): the budget the new knobs reach when replayed over the latest
 segment's signals from the budget that segment started with. A constant action replays to exactly the budget the
 rule already reached, so the fixed rule run as an agent is the engine's own ``dynamic`` policy; an exported agent
@@ -60,6 +67,36 @@ class RewardWeights:
         for f in fields(self):
             if not math.isfinite(value := getattr(self, f.name)):
                 raise ConfkvError(f"--{f.name.replace('_', '-')} must be a finite number (got {value})")
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """Potential-based shaping on the budget's headroom: ``Phi(s) = weight x (hi - budget) / (hi - lo)`` over the
+    budget range ``(lo, hi)`` (for a budget action ``base_size`` to ``max_size``), added to each training step as
+    ``gamma * Phi(after) - Phi(before)`` with the agent's own discount, so that the discounted shaping of a whole
+    episode is ``gamma^T Phi(end) - Phi(start)``: a budget action is paid the headroom it creates in its own step.
+    The end state keeps its potential (it is not zeroed as an absorbing state would be), so the objective gains
+    ``gamma^T x weight x headroom(end)``, at most ``weight``: the one term that is not policy-invariant."""
+
+    weight: float
+    gamma: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ConfkvError(f"--shaping-headroom must be a finite number above 0 (got {self.weight})")
+        if not (math.isfinite(self.gamma) and 0 <= self.gamma <= 1):
+            raise ConfkvError(f"the shaping's discount must be in [0, 1] (got {self.gamma})")
+
+    def potential(self, budget: float, lo_hi: tuple[float, float]) -> float:
+        """``weight`` x the share of the range ``lo_hi`` that ``budget`` leaves below its top (clipped to [0, 1])."""
+        lo, hi = lo_hi
+        if hi <= lo:
+            return 0.0
+        return self.weight * min(1.0, max(0.0, (hi - float(budget)) / (hi - lo)))
+
+    def term(self, before: float, after: float, lo_hi: tuple[float, float]) -> float:
+        """The shaping of one step whose state's budget went from ``before`` to ``after``."""
+        return self.gamma * self.potential(after, lo_hi) - self.potential(before, lo_hi)
 
 
 def observation_space(version: int = OBS_VERSION) -> spaces.Box:
@@ -200,12 +237,14 @@ class _Slots:
     """Episodes in flight on one scoring session, one per slot."""
 
     def __init__(
-        self, data: TuneData, n: int, kind: str, weights: RewardWeights, reference: dict[str, list[float]] | None = None
-    ) -> None:
+        self, data: TuneData, n: int, kind: str, weights: RewardWeights,
+        reference: dict[str, list[float]] | None = None, shaping: Shaping | None = None,
+    ) -> None:  # fmt: skip
         self.data = data
         self.kind = kind
         self.weights = weights
         self.reference = reference
+        self.shaping = shaping
         self.space = data.knob_space()
         self.budget_range = budget_range(kind, data.base_policy, self.space)
         self.llm = data.llm(max_batch_size=max(n, 1))
@@ -252,10 +291,12 @@ class _Slots:
         base = self.data.base_policy
         states = {slot: self.session.state(self.index[slot]) for slot in slots}  # type: ignore[arg-type]
         applied = {}
+        before: dict[int, float] = {}  # each slot's budget before its action: the state the shaping starts from
         usage = self.engine.pool.usage
         for slot, action in zip(slots, actions, strict=True):
             st = states[slot]
             assert st is not None, "slot has no running episode"
+            before[slot] = float(st.seq.ctrl.budget)
             d = decide(action, self.kind, base, self.space, segment_signals(st, usage), self.start_budget[slot],
                        st.seq.ctrl.budget, st.controller.policy)  # fmt: skip
             st.controller = d.controller
@@ -272,6 +313,9 @@ class _Slots:
             info["action"] = applied[slot]
             tot = self.totals[slot]
             returned = reward - self._reference(episode, int(tot["steps"]))
+            if self.shaping is not None:
+                info["shaping"] = self.shaping.term(before[slot], float(st.seq.ctrl.budget), self.budget_range)
+                returned += info["shaping"]
             tot["reward"] += reward
             tot["kv_fraction"] += info["kv_fraction"]
             tot["kl"] += info["kl"]
@@ -309,13 +353,13 @@ class ConfKVEnv(gym.Env):
 
     def __init__(
         self, data: TuneData, action: str = "knobs", weights: RewardWeights | None = None,
-        reference: dict[str, list[float]] | None = None,
+        reference: dict[str, list[float]] | None = None, shaping: Shaping | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.data = data
         self.observation_space = observation_space(data.obs_version)
         self.action_space = action_space(action, data.knob_space())
-        self._slots = _Slots(data, 1, action, weights or RewardWeights(), reference)
+        self._slots = _Slots(data, 1, action, weights or RewardWeights(), reference, shaping)
         self._live = False
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
@@ -347,12 +391,12 @@ class ConfKVVecEnv(VecEnv):
 
     def __init__(
         self, data: TuneData, n_envs: int, action: str = "knobs", weights: RewardWeights | None = None, seed: int = 0,
-        reference: dict[str, list[float]] | None = None,
+        reference: dict[str, list[float]] | None = None, shaping: Shaping | None = None,
     ) -> None:  # fmt: skip
         self.render_mode = None
         super().__init__(n_envs, observation_space(data.obs_version), action_space(action, data.knob_space()))
         self.data = data
-        self._slots = _Slots(data, n_envs, action, weights or RewardWeights(), reference)
+        self._slots = _Slots(data, n_envs, action, weights or RewardWeights(), reference, shaping)
         self._rng = np.random.default_rng(seed)
         self._actions: list[Any] = []
 

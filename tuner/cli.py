@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         "between items from the advantages (evaluations and exports keep the plain reward)",
     )  # fmt: skip
     train.add_argument(
+        "--shaping-headroom", type=float, default=None, metavar="K",
+        help="ppo/sac: while training, add potential-based shaping gamma x Phi(next) - Phi(now) to each segment's "
+        "reward, Phi = K x the budget's headroom (its distance below the top of the budget range, as a share of "
+        "the range) and gamma the agent's --gamma: a contraction is paid at once for the room it leaves, an "
+        "expansion charged at once (Ng et al. 1999); evaluations, exports and compare keep the plain reward",
+    )  # fmt: skip
+    train.add_argument(
         "--mode", choices=["teacher", "decode"], default="teacher",
         help="episodes scored teacher-forced (fast, KL reward) or decoded freely (divergence reward)",
     )  # fmt: skip

@@ -47,6 +47,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("--relative-reward is for ppo or sac")
     if (args.gamma is not None or args.ent_coef is not None) and args.algo == "optuna":
         raise ConfkvError("--gamma and --ent-coef are for ppo or sac")
+    if args.shaping_headroom is not None and args.algo == "optuna":
+        raise ConfkvError("--shaping-headroom is for ppo or sac (it shapes the reward an agent trains on)")
     if args.learning_starts is not None and args.algo != "sac":
         raise ConfkvError("--learning-starts is for sac")
     if args.validation_fraction is not None and args.algo == "optuna":
@@ -82,6 +84,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfkvError("--validation-fraction must be at least 0 and below 1")
         if args.relative_reward and args.mode != "teacher":
             raise ConfkvError("relative rewards (--relative-reward, or --preset refine) are for teacher mode only")
+        if args.shaping_headroom is not None:
+            from envs.env import Shaping
+
+            args.shaping = Shaping(args.shaping_headroom, preset.gamma)  # refuses bad values before the model loads
         plan = schedule(args.algo, args.timesteps, args.n_envs, preset)
         print(describe(args.algo, args.timesteps, args.n_envs, preset), file=sys.stderr)
         params.update(preset_params(preset))
@@ -123,7 +129,7 @@ def _run(
         "algo": args.algo, "model": args.model, "workload": args.workload, "seed": args.seed,
         "episodes": len(data.episodes), "items_scale": args.items_scale, "timesteps": args.timesteps,
         "trials": args.trials, "action": args.action, "relative_reward": args.relative_reward,
-        "init_network": args.init_network,
+        "init_network": args.init_network, "shaping_headroom": args.shaping_headroom,
         "validation_fraction": args.validation_fraction, "resume": args.resume,
         "n_envs": args.n_envs, "objectives": args.objectives, "mode": args.mode, "observation": args.observation,
         "obs_version": data.obs_version, **weights.__dict__,

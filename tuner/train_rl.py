@@ -182,12 +182,16 @@ def train_rl(
         log_metrics({"validation_episodes": len(judge.episodes), "validation_start_reward": default_reward})
         print(f"  training on {len(data.episodes)} episodes; {len(judge.episodes)} held out to choose the export "
               f"(the starting policy earns {default_reward:.3f} on them)", file=sys.stderr)  # fmt: skip
+    shaping = getattr(args, "shaping", None)  # the training environment's only: evaluations build their own
+    if shaping is not None:
+        print(f"  training reward shaped: gamma x Phi(next) - Phi(now), Phi = {shaping.weight:g} x headroom, gamma "
+              f"{shaping.gamma:g} (evaluations and the export keep the plain reward)", file=sys.stderr)  # fmt: skip
     if args.mode == "decode":
         from stable_baselines3.common.vec_env import DummyVecEnv
 
         from envs.decode_env import ConfKVDecodeEnv
 
-        env = DummyVecEnv([lambda: ConfKVDecodeEnv(data, args.action, weights)])
+        env = DummyVecEnv([lambda: ConfKVDecodeEnv(data, args.action, weights, shaping)])
         env.seed(args.seed)
     else:
         reference = None
@@ -196,7 +200,8 @@ def train_rl(
             mean = sum(map(sum, reference.values())) / len(reference)
             log_metrics({"reference_reward": mean})
             print(f"  rewards relative to the base policy's (its mean episode reward {mean:.3f})", file=sys.stderr)
-        env = ConfKVVecEnv(data, args.n_envs, args.action, weights, seed=args.seed, reference=reference)
+        env = ConfKVVecEnv(data, args.n_envs, args.action, weights, seed=args.seed, reference=reference,
+                           shaping=shaping)  # fmt: skip
     episodes: list[tuple[float, float]] = []
     evals: list[tuple[float, float]] = []
 
