@@ -178,6 +178,8 @@ class ModelRunner:
             batch.capture_decode = capture_decode
             if float_window is not None:  # the gathered blocks, in gathered order
                 batch.decode_window = float_window.blocks_of(blocks.reshape(-1))
+                if batch.decode_window is not None:  # the same, per block, for the C++ decode kernel
+                    batch.decode_arena = float_window.index[blocks].to(device)
             if decode_demoted:
                 self._pack_demoted(batch, decode_demoted, nd, qpos)
             if any(decode_track):  # slots only where attention mass is recorded per slot

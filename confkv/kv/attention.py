@@ -99,6 +99,9 @@ class PackedBatch:
     #: gathered blocks (flattened ``[num_decode * max_blocks]``) read them; None where none does.
     window_store: WindowPlan | None = None
     decode_window: WindowPlan | None = None
+    #: With ``decode_window``: each decode row's gathered block's arena block (``FloatWindow.index``), ``[num_decode,
+    #: max_blocks]`` on the device, ``-1`` where its codes are read (what the C++ decode kernel takes).
+    decode_arena: torch.Tensor | None = None
 
 
 #: PyTorch's fused CPU attention (flash), called directly where its log-sum-exp is needed as well as its output.
@@ -115,9 +118,10 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 #: compare it with).
 FOLD_DECODE = True
 
-#: Decode attention over an int8, fp8 or int4 pool without a float window, where it records nothing, runs the C++
-#: kernel over the codes (``confkv/kv/kernel.py``) on the CPU; False (or ``CONFKV_DECODE_KERNEL=0`` in the
-#: environment) keeps the torch paths above, as does a kernel that could not be built.
+#: Decode attention over an int8, fp8 or int4 pool, where it records nothing, runs the C++ kernel over the codes
+#: (``confkv/kv/kernel.py``) on the CPU, reading a float32 float window's copies where a block has one; False (or
+#: ``CONFKV_DECODE_KERNEL=0`` in the environment) keeps the torch paths above, as does a kernel that could not be
+#: built.
 DECODE_KERNEL = kernel.enabled_by_env()
 
 
@@ -141,13 +145,16 @@ def _decode_attention(
     """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``."""
     pool = batch.pool
     plain = batch.decode_track is None and not batch.capture_decode and not batch.decode_demoted
-    if DECODE_KERNEL and plain and batch.decode_window is None and kernel.supported(pool):
-        # int8/fp8/int4, nothing to record: one fused pass over the codes (None if the kernel could not be built)
+    arena_ok = batch.decode_window is None or batch.decode_arena is not None
+    if DECODE_KERNEL and plain and arena_ok and kernel.supported(pool):
+        # int8/fp8/int4, nothing to record: one fused pass over the codes, and over the float window's copies where
+        # a block has one (None if the kernel could not be built)
         valid = batch.decode_valid
         if window is not None:
             valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
         qg = _grouped(q, pool.num_kv_heads)
-        out = kernel.decode_attention(pool, layer, batch.decode_blocks, qg, valid, scaling)
+        arena = batch.decode_arena if batch.decode_window is not None else None
+        out = kernel.decode_attention(pool, layer, batch.decode_blocks, qg, valid, scaling, arena)
         if out is not None:
             return out.reshape(q.shape)
     if FOLD_DECODE and plain and batch.decode_window is None and pool.codec is not None and folded.supported(pool):

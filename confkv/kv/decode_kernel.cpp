@@ -16,6 +16,11 @@
 //     f16 zero point[D], per KV head) spread over its bs rows in order.
 // int4 codes are read de-interleaved (the low nibbles of a run of bytes are the even channels, the high ones the odd
 // channels), so the query (keys) and the accumulator (values) are kept in that order and re-interleaved at the end.
+//
+// Float window (confkv/kv/window.py): where a (sequence, block) has an exact float32 copy in the window's arena
+// (arena[i, jb] >= 0), every valid row of that block is read from the copy instead of the codes, exactly the rows the
+// torch path overwrites (FloatWindow.read_into with whole blocks): keys against the query in channel order, values
+// into their own channel-order accumulator, added to the codes' one at the end.
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -177,10 +182,12 @@ inline float exp_shifted(float* p, int64_t n, float m) {
 }  // namespace
 
 // k, v: one layer of the pool, [slots, kvh, k_row] and [slots, kvh, v_row] bytes; blocks [n, mb] int64;
-// valid [n, mb * bs] bool; q [n, kvh, g, D] float32 (contiguous). Returns [n, kvh, g, D] float32.
+// valid [n, mb * bs] bool; q [n, kvh, g, D] float32 (contiguous); the float window's arena of this layer, wk and
+// wv [arena_rows, kvh, D] float32, with arena [n, mb] int64 (each gathered block's arena block, -1: its codes), or
+// an empty arena where the pool has no window. Returns [n, kvh, g, D] float32.
 at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::Tensor& blocks,
                             const at::Tensor& valid, const at::Tensor& q, double scaling, int64_t format,
-                            int64_t block_size) {
+                            int64_t block_size, const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& arena) {
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && blocks.is_contiguous() && valid.is_contiguous() &&
                   q.is_contiguous(),
               "decode kernel: inputs must be contiguous");
@@ -215,9 +222,31 @@ at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::
   for (int64_t i = 0; i < n * mb; ++i) {
     TORCH_CHECK(bp[i] >= 0 && (bp[i] + 1) * bs <= slots, "decode kernel: block id out of the pool");
   }
+  const bool windowed = arena.numel() > 0;
+  const int64_t* ap = nullptr;
+  const float* wkp = nullptr;
+  const float* wvp = nullptr;
+  if (windowed) {
+    TORCH_CHECK(arena.is_contiguous() && arena.scalar_type() == at::kLong && arena.size(0) == n &&
+                    arena.size(1) == mb,
+                "decode kernel: the window's arena index must be [n, max_blocks] int64");
+    TORCH_CHECK(wk.is_contiguous() && wv.is_contiguous() && wk.scalar_type() == at::kFloat &&
+                    wv.scalar_type() == at::kFloat && wk.dim() == 3 && wk.sizes() == wv.sizes() &&
+                    wk.size(1) == kvh && wk.size(2) == d,
+                "decode kernel: the window's arena must be float32 [rows, kv_heads, head_dim]");
+    ap = arena.data_ptr<int64_t>();
+    wkp = wk.data_ptr<float>();
+    wvp = wv.data_ptr<float>();
+    const int64_t arena_rows = wk.size(0);
+    for (int64_t i = 0; i < n * mb; ++i) {
+      TORCH_CHECK(ap[i] < 0 || (ap[i] + 1) * bs <= arena_rows, "decode kernel: arena block out of the window");
+    }
+  }
 
   at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g * keys), qs(g * d), acc(g * d), row(d), grid(2 * d), bias(g), lo_acc(g * ngrp), inv(g);
+    // the window's rows, in channel order: the scaled query (int4's qs is de-interleaved) and the values' sum
+    std::vector<float> qn(windowed ? g * d : 0), wacc(windowed ? g * d : 0);
     std::vector<uint8_t> grid_bytes(4 * d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / kvh, h = item % kvh;
@@ -229,8 +258,10 @@ at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::
         for (int64_t c = 0; c < d; ++c) {
           const int64_t to = format == INT4 ? (c % 2 ? d / 2 + c / 2 : c / 2) : c;
           qs[j * d + to] = qi[j * d + c] * static_cast<float>(scaling);
+          if (windowed) qn[j * d + c] = qi[j * d + c] * static_cast<float>(scaling);
         }
       }
+      const int64_t* ai = windowed ? ap + i * mb : nullptr;
       // keys: scores [g, keys], -inf where masked
       std::fill(scores.begin(), scores.end(), -std::numeric_limits<float>::infinity());
       for (int64_t jb = 0; jb < mb; ++jb) {
@@ -238,6 +269,15 @@ at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::
         bool any = false;
         for (int64_t t = 0; t < bs; ++t) any |= okb[t];
         if (!any) continue;
+        if (windowed && ai[jb] >= 0) {  // the block's exact copy
+          const int64_t wbase = ai[jb] * bs;
+          for (int64_t t = 0; t < bs; ++t) {
+            if (!okb[t]) continue;
+            const float* r = wkp + ((wbase + t) * kvh + h) * d;
+            for (int64_t j = 0; j < g; ++j) scores[j * keys + jb * bs + t] = dot(qn.data() + j * d, r, d);
+          }
+          continue;
+        }
         const int64_t base = bi[jb] * bs;
         if (format == INT4) {
           // the block's grid for this head, gathered from its rows; folded into the query: (q*s) . n + q . lo
@@ -286,8 +326,18 @@ at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::
       // values
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(lo_acc.begin(), lo_acc.end(), 0.f);
+      std::fill(wacc.begin(), wacc.end(), 0.f);
       for (int64_t jb = 0; jb < mb; ++jb) {
         const bool* okb = ok + jb * bs;
+        if (windowed && ai[jb] >= 0) {  // the block's exact copy
+          const int64_t wbase = ai[jb] * bs;
+          for (int64_t t = 0; t < bs; ++t) {
+            if (!okb[t]) continue;
+            const float* r = wvp + ((wbase + t) * kvh + h) * d;
+            for (int64_t j = 0; j < g; ++j) axpy(scores[j * keys + jb * bs + t], r, wacc.data() + j * d, d);
+          }
+          continue;
+        }
         const int64_t base = bi[jb] * bs;
         for (int64_t t = 0; t < bs; ++t) {
           if (!okb[t]) continue;
@@ -318,9 +368,9 @@ at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::
           if (format == INT4) {  // group gi's codes are [even | odd] within the group
             const int64_t gi = c / grp, w = c % grp;
             const int64_t from = gi * grp + (w % 2 ? grp / 2 + w / 2 : w / 2);
-            oi[j * d + c] = (acc[j * d + from] + lo_acc[j * ngrp + gi]) * inv[j];
+            oi[j * d + c] = (acc[j * d + from] + lo_acc[j * ngrp + gi] + (windowed ? wacc[j * d + c] : 0.f)) * inv[j];
           } else {
-            oi[j * d + c] = acc[j * d + c] * inv[j];
+            oi[j * d + c] = (acc[j * d + c] + (windowed ? wacc[j * d + c] : 0.f)) * inv[j];
           }
         }
       }

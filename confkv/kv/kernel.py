@@ -6,6 +6,10 @@ in several whole passes over the keys and values (fp8's bit trick, int4's nibble
 at a time into a buffer that stays in L1, scores it against the KV head's group of queries, and accumulates the
 values with their probabilities: the codes are read once, and masked slots (unfilled tails, padding, keys outside a
 sliding window) not at all. Sequences x KV heads run in parallel on torch's intra-op threads (``at::parallel_for``).
+Under a float window (``confkv/kv/window.py``) a block with an exact copy is read from the window's arena instead of
+its codes (the rows the torch path's ``FloatWindow.read_into`` overwrites: whole blocks), so ``fp8``/``int4`` with
+``--kv-float-window`` take the kernel too; the arena must be float32 (a bf16/fp16 model's window keeps the torch
+path).
 
 It is built once per machine with ``torch.utils.cpp_extension.load_inline`` into ``$CONFKV_CACHE/kernels`` (default
 ``~/.cache/confkv/kernels``), with ``-O3 -march=native``: the module's name carries a hash of the source, the flags,
@@ -71,9 +75,11 @@ def _format(pool: BlockPool) -> int | None:
 
 
 def supported(pool: BlockPool) -> bool:
-    """Whether the kernel reads this pool: int8, fp8 or int4 on the CPU (on a GPU the torch path stays), and the
-    build has not failed in this process."""
-    return not _failed and pool.device.type == "cpu" and _format(pool) is not None
+    """Whether the kernel reads this pool: int8, fp8 or int4 on the CPU (on a GPU the torch path stays), without a
+    float window or with a float32 one (the kernel reads the arena's rows as float32), and the build has not failed
+    in this process."""
+    window_ok = pool.window is None or pool.window.k.dtype == torch.float32
+    return not _failed and pool.device.type == "cpu" and _format(pool) is not None and window_ok
 
 
 def _cache_dir() -> Path:
@@ -126,16 +132,37 @@ def load() -> ModuleType | None:
 
 
 def decode_attention(
-    pool: BlockPool, layer: int, blocks: torch.Tensor, qg: torch.Tensor, valid: torch.Tensor, scaling: float
+    pool: BlockPool,
+    layer: int,
+    blocks: torch.Tensor,
+    qg: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    arena: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Attention of decode queries ``qg`` ``[n, kvh, g, D]`` over the rows' ``blocks`` ``[n, max_blocks]`` of
-    ``layer``, keys ``valid`` ``[n, max_blocks * block_size]`` (masked slots are not read). Returns ``[n, kvh, g,
-    D]`` in ``qg``'s dtype, or None where the kernel is not available (the caller takes the torch path)."""
+    ``layer``, keys ``valid`` ``[n, max_blocks * block_size]`` (masked slots are not read). ``arena`` ``[n,
+    max_blocks]``: each gathered block's block in the pool's float window (``FloatWindow.index`` of ``blocks``),
+    ``-1`` where its codes are read; None reads codes only. Returns ``[n, kvh, g, D]`` in ``qg``'s dtype, or None
+    where the kernel is not available (the caller takes the torch path)."""
     fmt = _format(pool)
     mod = load() if fmt is not None and pool.device.type == "cpu" else None
     if mod is None:
         return None
+    if arena is not None:
+        window = pool.window
+        if window is None or window.k.dtype != torch.float32:
+            return None  # a bf16/fp16 arena: the torch path reads it
+        wk, wv, arena = window.k[layer], window.v[layer], arena.to(torch.long).contiguous()
+    else:
+        wk = wv = _NO_ARENA
+        arena = _NO_INDEX
     out = mod.decode_attention(pool.k[layer], pool.v[layer], blocks.to(torch.long).contiguous(),
                                valid.to(torch.bool).contiguous(), qg.to(torch.float32).contiguous(),
-                               float(scaling), fmt, pool.block_size)  # fmt: skip
+                               float(scaling), fmt, pool.block_size, wk, wv, arena)  # fmt: skip
     return out.to(qg.dtype)
+
+
+#: What the kernel receives where no float window is read (its "no arena").
+_NO_ARENA = torch.empty((0, 0, 0), dtype=torch.float32)
+_NO_INDEX = torch.empty((0, 0), dtype=torch.long)
