@@ -8,6 +8,7 @@ a file or a registry reference into a policy is ``confkv.policy_source``'s job.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +30,12 @@ MAX_MEMORY_BYTES = 2**44
 MIN_BATCHED_TOKENS = 16
 #: The old ``importance`` key, still read from policy files: what each value meant, as a scorer.
 _IMPORTANCE_SCORERS = {"attention": "h2o", "recency": "recency"}
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where confkv keeps what it makes once (converted models, references, calibrations, sessions, built kernels):
+    ``cache_dir``, else ``$CONFKV_CACHE``, else ``~/.cache/confkv``."""
+    return Path(cache_dir or os.environ.get("CONFKV_CACHE") or Path.home() / ".cache" / "confkv")
 
 
 class KeyValueError(ValueError):

@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from confkv.config import cache_root
 from confkv.errors import ConfkvError, ModelNotFoundError
 from confkv.progress import stage
 
@@ -57,11 +58,6 @@ class LoadedModel:
     name: str
     eos_token_ids: frozenset[int]
     max_model_len: int
-
-
-def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    root = cache_dir or os.environ.get("CONFKV_CACHE") or Path.home() / ".cache" / "confkv"
-    return Path(root)
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:

@@ -139,29 +139,28 @@ def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 Captures = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
+def _in_window(batch: PackedBatch, valid: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``valid`` less the keys a sliding-window layer of ``window`` tokens no longer sees from each decode query."""
+    return valid if window is None else valid & (key_pos > batch.decode_qpos[:, None] - window)
+
+
 def _decode_attention(
     batch: PackedBatch, layer: int, q: torch.Tensor, scaling: float, window: int | None, captures: Captures
 ) -> torch.Tensor:
     """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``."""
     pool = batch.pool
     plain = batch.decode_track is None and not batch.capture_decode and not batch.decode_demoted
-    arena_ok = batch.decode_window is None or batch.decode_arena is not None
-    if DECODE_KERNEL and plain and arena_ok and kernel.supported(pool):
+    if DECODE_KERNEL and plain and kernel.supported(pool):
         # int8/fp8/int4, nothing to record: one fused pass over the codes, and over the float window's copies where
         # a block has one (None if the kernel could not be built)
-        valid = batch.decode_valid
-        if window is not None:
-            valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
         qg = _grouped(q, pool.num_kv_heads)
-        arena = batch.decode_arena if batch.decode_window is not None else None
-        out = kernel.decode_attention(pool, layer, batch.decode_blocks, qg, valid, scaling, arena)
+        valid = _in_window(batch, batch.decode_valid, batch.decode_pos, window)
+        out = kernel.decode_attention(pool, layer, batch.decode_blocks, qg, valid, scaling, batch.decode_arena)
         if out is not None:
             return out.reshape(q.shape)
     if FOLD_DECODE and plain and batch.decode_window is None and pool.codec is not None and folded.supported(pool):
         # int8/fp8, nothing to record: attention straight over the codes, scales folded into scores and probabilities
-        valid = batch.decode_valid
-        if window is not None:
-            valid = valid & (batch.decode_pos > batch.decode_qpos[:, None] - window)
+        valid = _in_window(batch, batch.decode_valid, batch.decode_pos, window)
         out = folded.decode_attention(pool, layer, batch.decode_blocks, _grouped(q, pool.num_kv_heads), valid, scaling)
         return out.reshape(q.shape)
     n, bs = batch.decode_blocks.shape[0], pool.block_size
@@ -187,8 +186,7 @@ def _decode_attention(
         keys, values = _with_demoted(batch, layer, keys, values)
         valid = torch.cat([valid, batch.decode_demoted_valid], dim=1)
         key_pos = torch.cat([key_pos, batch.decode_demoted_pos], dim=1)
-    if window is not None:
-        valid = valid & (key_pos > batch.decode_qpos[:, None] - window)
+    valid = _in_window(batch, valid, key_pos, window)
     # GQA as plain attention: a KV head's query heads are the rows of one [groups, keys] problem
     qg = _grouped(q, pool.num_kv_heads)  # [n, kvh, g, D]
     if batch.decode_track is None and not batch.capture_decode:

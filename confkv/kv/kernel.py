@@ -34,6 +34,7 @@ from types import ModuleType
 
 import torch
 
+from confkv.config import cache_root
 from confkv.kv.pool import BlockPool
 from confkv.kv.quant import ChannelKeyCodec, Fp8Codec, GroupedInt4Codec, Int8Codec
 from confkv.progress import stage
@@ -82,12 +83,6 @@ def supported(pool: BlockPool) -> bool:
     return not _failed and pool.device.type == "cpu" and _format(pool) is not None and window_ok
 
 
-def _cache_dir() -> Path:
-    """Where built kernels are kept: ``$CONFKV_CACHE/kernels``, default ``~/.cache/confkv/kernels``."""
-    root = os.environ.get("CONFKV_CACHE") or Path.home() / ".cache" / "confkv"
-    return Path(root) / "kernels"
-
-
 def _cpu_key() -> str:
     """This CPU's model and feature flags (what ``-march=native`` compiles for)."""
     try:
@@ -115,7 +110,7 @@ def load() -> ModuleType | None:
 
         source = SOURCE.read_text()
         name = module_name(source)
-        build = _cache_dir() / name
+        build = cache_root() / "kernels" / name
         build.mkdir(parents=True, exist_ok=True)
         fresh = not (build / f"{name}.so").exists()  # a compile (half a minute) rather than an import
         shown = "building the C++ decode-attention kernel (once)"

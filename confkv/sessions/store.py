@@ -53,13 +53,13 @@ import re
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.implementations.local import LocalFileSystem
 
+from confkv.config import cache_root
 from confkv.errors import ConfkvError
 from confkv.sessions.errors import CorruptRecord, ForeignRecord, RecordMissing, SessionStoreError, StoreUnavailable
 from confkv.sessions.record import DEFAULT_LEVEL, SessionRecord, SessionTokens, decode, decode_tokens, encode
@@ -82,12 +82,8 @@ _Obj = TypeVar("_Obj", SessionRecord, SessionTokens)
 
 
 def default_url(cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """``<cache root>/sessions``: the root is ``cache_dir``, else ``$CONFKV_CACHE``, else ``~/.cache/confkv``.
-
-    The same rule as ``confkv.model_loader.cache_root``, restated so that this package does not import transformers.
-    """
-    root = cache_dir or os.environ.get("CONFKV_CACHE") or Path.home() / ".cache" / "confkv"
-    return str(Path(root).expanduser() / "sessions")
+    """``<cache root>/sessions`` (``confkv.config.cache_root``)."""
+    return str(cache_root(cache_dir).expanduser() / "sessions")
 
 
 def check_session_id(session_id: str) -> str:
