@@ -95,7 +95,8 @@ def test_a_small_window_holds_and_reads_exactly_the_blocks_of_the_last_r_tokens(
         first = max(0, (n - R) // BS)
         held = [i for i, b in enumerate(kv.table.entries) if window.has(b)]
         assert held == list(range(first, math.ceil(n / BS))), n
-        assert window.used_bytes == len(held) * window.block_bytes
+        assert window.used_bytes == window.k.nbytes + window.v.nbytes
+        assert window.num_blocks == len(held) and window.spare <= len(held) // window.min_blocks
         slots = torch.tensor(kv.table.slots(0, n))
         keys, values = pool.keys_at(L - 1, slots), pool.dequant(pool.v[L - 1][slots])
         codes_k, codes_v = keys.clone(), values.clone()
@@ -109,6 +110,93 @@ def test_a_small_window_holds_and_reads_exactly_the_blocks_of_the_last_r_tokens(
             assert not torch.allclose(codes_k[~in_window], exact_k[:n][~in_window])
     mgr.close(kv)
     assert window.used_bytes == 0 and pool.num_free == pool.num_blocks
+
+
+def test_a_decode_run_keeps_the_arena_across_leaves_and_joins() -> None:
+    """Sequences at different points of their blocks, decoded token by token: a block that leaves the window gives
+    its arena block to the next join, so the arena is copied only when it grows past the most blocks it has held
+    (once a sequence at most, at their first coincidence), never shrunk while every window stays whole, and its
+    bytes are at every step the arena's own (spare blocks included), within the spare bound."""
+    R = 8
+    pool, mgr = _window_manager("int4", R)
+    window = pool.window
+    policy = make_controller(CachePolicy(controller="full"))
+    seqs = [mgr.open(i, policy, math.inf) for i in range(3)]
+    for i, kv in enumerate(seqs):  # whole windows, each at another offset in its block
+        mgr.reserve(kv, R + i)
+    settled, peak, arena, kept = window.resizes, window.num_blocks, window.k, 0
+    for _ in range(40):
+        for kv in seqs:
+            leaving = window.num_blocks
+            before = (window.resizes, window.k, window.spare)
+            mgr.reserve(kv, 1)
+            peak = max(peak, window.num_blocks)
+            assert window.used_bytes == window.k.nbytes + window.v.nbytes == window.capacity * window.block_bytes
+            assert window.capacity <= peak  # grown only by the blocks missing
+            assert window.spare <= window.num_blocks // window.min_blocks
+            if window.num_blocks > leaving and before[2] > 0:  # a join took a spare block: nothing was copied
+                assert window.resizes == before[0] and window.k is before[1]
+                kept += 1
+        if window.resizes == settled:
+            assert window.k is arena
+    assert kept >= 10  # 3 sequences cross a block 10 times in 40 tokens each
+    assert window.resizes - settled <= len(seqs)
+    for kv in seqs:
+        mgr.close(kv)
+        assert window.spare <= window.num_blocks // window.min_blocks
+        assert window.used_bytes == window.k.nbytes + window.v.nbytes
+    assert window.used_bytes == 0 and window.capacity == 0 and pool.num_free == pool.num_blocks
+
+
+def test_spare_arena_blocks_count_as_used_but_cover_the_next_join() -> None:
+    """A block that leaves keeps its bytes on the pool's budget (``num_free`` does not rise); the next join takes
+    them, so its step needs only its pool block; when the pool needs the bytes, ``trim_window`` gives back the spare
+    blocks that step does not take."""
+    R = 8
+    pool, mgr = _window_manager("int8", R)
+    window = pool.window
+    kv = mgr.open(0, make_controller(CachePolicy(controller="full")), math.inf)
+    mgr.reserve(kv, 9)  # blocks 0, 1, 2: all in the window of the last 8 tokens
+    mgr.reserve(kv, 3)  # 12 tokens: block 0 leaves (8 tokens follow it) and nothing joins
+    assert window.num_blocks == 2 and window.spare == 1 and window.capacity == 3
+    assert pool.outside_bytes == 3 * window.block_bytes
+    assert mgr.room_needed(kv, 1) == mgr.blocks_needed(kv, 1) == 1  # block 3 joins in block 0's arena block
+    free = pool.num_free
+    mgr.trim_window(kv, 1)  # the step's join takes the spare block: it stays
+    assert window.spare == 1 and pool.num_free == free
+    window.trim()  # nothing to keep it for: the spare block goes back to the pool
+    assert pool.num_free > free
+    assert window.spare == 0 and window.capacity == 2 and pool.outside_bytes == 2 * window.block_bytes
+    arena = window.k
+    mgr.reserve(kv, 1)  # now the join grows the arena
+    assert window.capacity == 3 and window.k is not arena
+    mgr.close(kv)
+    assert pool.outside_bytes == 0
+
+
+def test_an_engine_decode_rebuilds_no_arena_while_every_window_is_whole() -> None:
+    """Four sequences decoding in step through several block boundaries (``kv_float_window`` 32, as measured):
+    after the prompts' step the arena keeps its storage to the end, though blocks leave and join, and its
+    bytes are the pool's count of them at every step."""
+    llm = LLM("tiny-random", "full", loaded=fresh_tiny(), kv_cache_dtype="int4", kv_float_window=32,
+              kv_cache_memory="8MiB")  # fmt: skip
+    engine, window = llm.engine, llm.engine.pool.window
+    ids = llm.tokenizer(TEXT)["input_ids"][:40]
+    for i in range(4):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=40, ignore_eos=True))
+    arenas, spares, done = [], [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            done += out.finished
+        assert window.used_bytes == window.k.nbytes + window.v.nbytes
+        assert _held_bytes(engine.pool) <= engine.pool.total_bytes
+        if not done:
+            arenas.append(window.k)
+            spares.append(window.spare)
+    assert len(arenas) >= 30 and max(spares) >= 4  # every sequence left a block and kept its room at least once
+    assert all(a is arenas[0] for a in arenas)  # the prompts' step sized it; decoding never copied it
+    assert window.used_bytes == 0
 
 
 def test_window_copies_take_from_the_free_blocks_and_from_admissions_reservation() -> None:

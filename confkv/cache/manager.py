@@ -115,14 +115,15 @@ class CacheManager(SessionContinuation):
         """Free blocks (``num_free``) a step of ``n_new`` tokens takes: its new blocks, where it leaves a block open
         and the sequence holds no open block's float copy now (per-channel int4 keys; a block brought back open, by a
         swap-in or a session's restore, has none until it is written) the blocks' worth of that copy, and the float
-        window's copies of the new blocks less those of the blocks leaving the window."""
+        window's copies of the new blocks less those of the blocks leaving the window and of its spare arena blocks
+        (bytes already counted, which a joining block takes first)."""
         bs, n, entries = self.block_size, kv.table.num_tokens, kv.table.entries
         held = n % bs and n // bs < len(entries) and self.pool.has_open_copy(entries[n // bs])
         opens = self.pool.open_copy_bytes and (n + n_new) % bs and not held
         extra = self.pool.open_copy_bytes if opens else 0
         if (window := self.pool.window) is not None:
             joins, leaves = self._window_moves(kv, n_new)
-            extra += max(0, len(joins) - len(leaves)) * window.block_bytes
+            extra += max(0, len(joins) - len(leaves) - window.spare) * window.block_bytes
         return self.blocks_needed(kv, n_new) + -(-extra // self.pool.bytes_per_block)
 
     def reserve(self, kv: SequenceKV, n_new: int) -> Reservation:
@@ -154,6 +155,13 @@ class CacheManager(SessionContinuation):
         stop = min(first, len(table))
         leaves = [b for b in table.entries[table.window_from : stop] if b >= 0 and window.has(b)]
         return joins, leaves
+
+    def trim_window(self, kv: SequenceKV, n_new: int) -> None:
+        """The pool needs bytes for a step of ``n_new`` tokens: the float window gives back its spare arena blocks,
+        but those the step's joins take (``room_needed`` counts those as taken from the spare ones)."""
+        if (window := self.pool.window) is not None:
+            joins, leaves = self._window_moves(kv, n_new)
+            window.trim(keep=max(0, len(joins) - len(leaves)))
 
     def rollback(self, kv: SequenceKV, undo: Reservation) -> None:
         """Undo ``reserve``: the step's tokens get no slots and the blocks allocated for them go back."""

@@ -24,7 +24,8 @@ scored sequence gets its whole next chunk every step (``max_num_batched_tokens``
 tokens of the text) outside the token budget, so chunk boundaries, and with them what is recorded and evicted, do
 not depend on what else runs: a text scores the same alone or in any batch.
 
-**Preemption** is the last resort: if a running sequence still cannot get a block, the most recently admitted
+**Preemption** is the last resort: if a running sequence still cannot get a block (once the float window has given
+back the spare arena blocks it keeps for later joins and parked sessions have left), the most recently admitted
 sequence gives back its blocks and returns to the front of the queue, to be recomputed from its tokens. A request
 that cannot fit even in an empty pool is reported as failed instead of being retried forever.
 
@@ -260,6 +261,8 @@ class Scheduler:
                 continue
             else:
                 n = min(seq.num_uncomputed, budget)
+            if manager.room_needed(seq.kv, n) > pool.num_free:  # spare window arena, then parked sessions
+                manager.trim_window(seq.kv, n)
             if manager.room_needed(seq.kv, n) > pool.num_free:
                 self.reclaim(manager.room_needed(seq.kv, n) - pool.num_free)
             while manager.room_needed(seq.kv, n) > pool.num_free:

@@ -11,10 +11,26 @@ tokens follow it (``CacheManager.reserve`` asks ``leaving``) or when the pool fr
 an evicted, preempted or parked block loses its copy, and a block coming back (recall, swap-in, session resume)
 reads its codes until newer blocks take over the window.
 
-The copies live in one arena per K and V, ``[layers, blocks * block_size, kv_heads, head_dim]``, so that a forward
-pass moves them with one index operation per layer rather than one per block; the arena is always exactly as large
-as the blocks it holds (a block that leaves makes room for one that joins in the same call; otherwise the arena is
-rebuilt to size), so ``used_bytes`` is the device memory it holds, which the pool counts against its budget.
+The copies live in one arena per K and V, ``[layers, capacity * block_size, kv_heads, head_dim]``, so that a forward
+pass moves them with one index operation per layer rather than one per block. The arena keeps room: a block that
+leaves gives its arena block to a list of spare ones and a block that joins takes a spare one, so a decode step
+copies nothing. (When the arena was always exactly its blocks, a sequence's oldest window block, which leaves one
+step before its next block joins when ``R`` is a multiple of the block size, had the whole arena copied twice every
+``block_size`` steps per sequence: about once a step at 8 sequences.)
+
+* Growth: only when a join finds no spare block, by exactly the blocks missing, so the arena is never larger than
+  the most blocks it has held at once (at most ``max_blocks`` a sequence then, what reserving admission sets aside
+  for each, ``CacheManager.outside_blocks``).
+* Shrinking (a copy of the blocks kept): when the spare blocks exceed ``held // min_blocks``. A sequence whose
+  window is whole holds ``min_blocks`` (``ceil(R / block_size)``) blocks or one more, so when every one is at its
+  low point (the step before its next block joins) that bound is one spare a sequence, what their next joins take;
+  what a finished or preempted sequence gives back beyond it is returned to the pool at once (none is kept when no
+  block is held). ``trim`` gives back the spare blocks a step's joins do not take when the pool needs the
+  bytes (``CacheManager.trim_window``, before a running sequence's step would preempt another).
+* Bytes: ``used_bytes`` is the whole arena, spare blocks included (the device memory it holds), which the pool
+  counts against its budget (``BlockPool.outside_bytes``). A step's room (``CacheManager.room_needed``) counts only
+  the copies the spare blocks cannot take; a spare block is bytes already counted, given up by a block that left,
+  so keeping it never takes the pool past its budget.
 """
 
 from __future__ import annotations
@@ -51,6 +67,10 @@ class FloatWindow:
         #: Arena block of each pool block, ``-1`` where it has no copy (on the CPU: read when a pass is packed).
         self.index = torch.full((num_blocks,), -1, dtype=torch.long)
         self._where: dict[int, int] = {}
+        #: Arena blocks no pool block holds, kept for the next join (last in, first out).
+        self._spare: list[int] = []
+        #: Times the arena was copied to a new size (growth or shrinking): what the spare blocks save.
+        self.resizes = 0
 
     # ----------------------------------------------------------------------------------------------- the rule
     def first_block(self, num_tokens: int) -> int:
@@ -63,15 +83,31 @@ class FloatWindow:
         """The most blocks one sequence's window spans: ``tokens`` consecutive positions over whole blocks."""
         return -(-(self.tokens - 1) // self.block_size) + 1
 
+    @property
+    def min_blocks(self) -> int:
+        """The fewest blocks a whole window (a sequence of at least ``tokens`` tokens) spans."""
+        return -(-self.tokens // self.block_size)
+
     # ------------------------------------------------------------------------------------------------- bytes
     @property
     def num_blocks(self) -> int:
+        """Blocks holding a copy now."""
         return len(self._where)
 
     @property
+    def capacity(self) -> int:
+        """Arena blocks: those holding a copy and the spare ones."""
+        return self.k.shape[1] // self.block_size
+
+    @property
+    def spare(self) -> int:
+        """Arena blocks a join can take without the arena growing."""
+        return len(self._spare)
+
+    @property
     def used_bytes(self) -> int:
-        """Device bytes the arena holds (exactly its blocks' copies)."""
-        return len(self._where) * self.block_bytes
+        """Device bytes the arena holds: every arena block, spare ones included (``k.nbytes + v.nbytes``)."""
+        return self.capacity * self.block_bytes
 
     def has(self, block: int) -> bool:
         return block in self._where
@@ -79,51 +115,71 @@ class FloatWindow:
     # ----------------------------------------------------------------------------------------------- changes
     def update(self, join: list[int], leave: list[int]) -> None:
         """Blocks ``leave`` give up their copies and blocks ``join`` (just handed out: nothing written yet) get zeroed
-        ones; a joining block reuses a leaving one's room, and the arena is rebuilt only when its size changes."""
-        holes = [a for a in (self._drop(b) for b in leave) if a is not None]
-        join = list(dict.fromkeys(b for b in join if b not in self._where))
-        for b in join[: len(holes)]:
-            a = holes.pop()
+        ones, in spare arena blocks (a leaving block's among them); the arena grows only by the blocks missing."""
+        for b in leave:
+            self._drop(b)
+        join = [b for b in dict.fromkeys(join) if b not in self._where]
+        if len(join) > len(self._spare):
+            self._resize(self.capacity + len(join) - len(self._spare))
+        bs = self.block_size
+        for b in join:
+            a = self._spare.pop()
             self._set(b, a)
-            rows = slice(a * self.block_size, (a + 1) * self.block_size)
-            self.k[:, rows] = 0
-            self.v[:, rows] = 0
-        rest = [b for b in join if b not in self._where]
-        if holes or rest:
-            self._rebuild(rest)
+            self.k[:, a * bs : (a + 1) * bs] = 0
+            self.v[:, a * bs : (a + 1) * bs] = 0
+        self._bound_spare()
 
     def forget(self, blocks: list[int]) -> None:
         """Blocks freed by the pool or overwritten (recall, restore): their copies go."""
         if any(b in self._where for b in blocks):
-            holes = [a for a in (self._drop(b) for b in blocks) if a is not None]
-            if holes:
-                self._rebuild([])
+            for b in blocks:
+                self._drop(b)
+            self._bound_spare()
+
+    def trim(self, keep: int = 0) -> None:
+        """Give back the spare arena blocks but ``keep`` of them (the pool needs the bytes)."""
+        if len(self._spare) > keep:
+            self._resize(len(self._where) + keep)
 
     def _set(self, block: int, arena: int) -> None:
         self._where[block] = arena
         self.index[block] = arena
 
-    def _drop(self, block: int) -> int | None:
+    def _drop(self, block: int) -> None:
         arena = self._where.pop(block, None)
         if arena is not None:
             self.index[block] = -1
-        return arena
+            self._spare.append(arena)
 
-    def _rebuild(self, new: list[int]) -> None:
-        """Arena of exactly the blocks held plus ``new`` (zeroed), in that order; the holes closed."""
-        bs = self.block_size
-        kept = sorted(self._where, key=self._where.__getitem__)
-        old = torch.tensor([self._where[b] for b in kept], dtype=torch.long, device=self.device)
-        rows = (old[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+    def _bound_spare(self) -> None:
+        """Shrink the arena to its blocks plus ``held // min_blocks`` spare ones where it keeps more."""
+        keep = len(self._where) // self.min_blocks
+        if len(self._spare) > keep:
+            self._resize(len(self._where) + keep)
+
+    def _resize(self, capacity: int) -> None:
+        """An arena of ``capacity`` blocks: a larger one keeps every block where it is (one copy of the old arena,
+        the new blocks spare and zeroed); a smaller one moves the held blocks to the front, in arena order."""
+        bs, old = self.block_size, self.capacity
         layers, _, kvh, dim = self.k.shape
-        size = (len(kept) + len(new)) * bs
-        k = torch.zeros((layers, size, kvh, dim), dtype=self.k.dtype, device=self.device)
+        k = torch.zeros((layers, capacity * bs, kvh, dim), dtype=self.k.dtype, device=self.device)
         v = torch.zeros_like(k)
-        k[:, : rows.numel()] = self.k.index_select(1, rows)
-        v[:, : rows.numel()] = self.v.index_select(1, rows)
+        if capacity >= old:
+            k[:, : old * bs] = self.k
+            v[:, : old * bs] = self.v
+            self._spare[:0] = range(capacity - 1, old - 1, -1)  # taken after the old spare ones
+        else:
+            kept = sorted(self._where, key=self._where.__getitem__)
+            if kept:
+                at = torch.tensor([self._where[b] for b in kept], dtype=torch.long, device=self.device)
+                rows = (at[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+                k[:, : rows.numel()] = self.k.index_select(1, rows)
+                v[:, : rows.numel()] = self.v.index_select(1, rows)
+            for a, b in enumerate(kept):
+                self._set(b, a)
+            self._spare = list(range(capacity - 1, len(kept) - 1, -1))
         self.k, self.v = k, v
-        for a, b in enumerate([*kept, *new]):
-            self._set(b, a)
+        self.resizes += 1
 
     # ------------------------------------------------------------------------------------------ reading plans
     def rows_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -154,8 +210,10 @@ class FloatWindow:
         ``rows_of`` the pass's slots)."""
         hit, rows = plan
         width = k.shape[1] * k.shape[2]
-        self.k[layer].view(-1, width).index_copy_(0, rows, k.index_select(0, hit).reshape(-1, width).to(self.k.dtype))
-        self.v[layer].view(-1, width).index_copy_(0, rows, v.index_select(0, hit).reshape(-1, width).to(self.v.dtype))
+        if hit.numel() < k.shape[0]:  # else every token is in a window block (a decode step's): no selection
+            k, v = k.index_select(0, hit), v.index_select(0, hit)
+        self.k[layer].view(-1, width).index_copy_(0, rows, k.reshape(-1, width).to(self.k.dtype))
+        self.v[layer].view(-1, width).index_copy_(0, rows, v.reshape(-1, width).to(self.v.dtype))
 
     def read_into(
         self, layer: int, plan: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor
