@@ -92,6 +92,28 @@ def test_kernel_is_dequantise_then_sdpa(dtype: str, d: int) -> None:
             assert err < 1e-5 * ref.abs().max(), (dtype, d, layer, float(err))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_returns_each_querys_log_sum_exp(dtype: str) -> None:
+    """What a sequence that may recall keeps of its step: the log-sum-exp of each query's scaled scores over the
+    decoded keys, within float32 rounding of the reference's (and ``decode_attention``'s output is the same pass's);
+    with a sliding window, over the keys it leaves."""
+    pool, blocks, valid = _pool(dtype, 64)
+    windowed = valid.clone()
+    windowed[0, :20] = False
+    flat = blocks.reshape(-1)
+    for layer in range(2):
+        keys = pool.dequant_k(pool.k[layer].view(pool.num_blocks, BS, KVH, -1)[flat])
+        keys = keys.reshape(len(LENGTHS), -1, KVH, 64).transpose(1, 2)  # [n, kvh, keys, D]
+        qg = torch.randn(len(LENGTHS), KVH, GROUPS, 64, generator=torch.Generator().manual_seed(layer)) * 3
+        for mask in (valid, windowed):
+            scores = (qg @ keys.transpose(-1, -2)) * 0.125
+            ref = scores.masked_fill(~mask[:, None, None, :], float("-inf")).logsumexp(-1)
+            both = kernel.decode_attention_lse(pool, layer, blocks, qg, mask, 0.125)
+            assert both is not None and both[1].shape == ref.shape and both[1].dtype == torch.float32
+            assert (both[1] - ref).abs().max() < 1e-5 * ref.abs().max(), (dtype, layer)
+            assert torch.equal(both[0], kernel.decode_attention(pool, layer, blocks, qg, mask, 0.125))
+
+
 @pytest.mark.parametrize("float_window", [5, BS, 40])  # within the last block, exactly one block, whole rows
 @pytest.mark.parametrize("dtype", ["fp8", "int4"])
 def test_the_kernel_reads_the_float_window_as_the_torch_path_does(dtype: str, float_window: int) -> None:
@@ -156,7 +178,7 @@ def test_generation_through_the_kernel_is_the_torch_path(
     under a float window of 20 tokens (rows of 13 to 52 tokens: some blocks read from codes, some from copies) it
     read the window."""
     calls, windowed = [], []
-    real = kernel.decode_attention
+    real = kernel.decode_attention_lse  # what attention.py calls (the output and the log-sum-exp of one pass)
 
     def counted(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -165,7 +187,7 @@ def test_generation_through_the_kernel_is_the_torch_path(
         windowed.append(arena is not None and bool((arena >= 0).any()) and bool((arena < 0).any()))
         return out
 
-    monkeypatch.setattr(kernel, "decode_attention", counted)
+    monkeypatch.setattr(kernel, "decode_attention_lse", counted)
     monkeypatch.setattr(attention, "DECODE_KERNEL", True)
     tokens, logprobs = _generate(dtype, float_window)
     assert calls and all(calls)
@@ -175,6 +197,47 @@ def test_generation_through_the_kernel_is_the_torch_path(
     ref_tokens, ref_logprobs = _generate(dtype, float_window)
     assert not calls  # switched off: the torch path only
     assert tokens == ref_tokens
+    assert (logprobs - ref_logprobs).abs().max() < 1e-3
+
+
+def _generate_recalling() -> tuple[list[int], list[int], torch.Tensor]:
+    """A confidence rule that expands on every token (thresholds 0) and scores blocks without recording decode
+    attention (SnapKV), over an int8 pool: its decode rows capture their query for recalls."""
+    llm = LLM("tiny-random", "dynamic", loaded=fresh_tiny(), kv_cache_dtype="int8", kv_cache_memory="8MiB",
+              max_num_batched_tokens=64, base_size=48, max_size=128, min_recent=32, compact_interval=8,
+              entropy_threshold=0.0, gap_threshold=0.0, scorer="snapkv")  # fmt: skip
+    prompts = [list(range(5, 205)), list(range(50, 190)), list(range(3, 120))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True, logprobs=0))
+    recalled = [o.kv["recalled_blocks"] for o in outs]
+    return (
+        [t for o in outs for t in o.token_ids],
+        recalled,
+        torch.tensor([lp.logprob for o in outs for lp in o.logprobs]),
+    )
+
+
+def test_a_recalling_rule_takes_the_kernel_and_recalls_as_the_torch_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows that may recall keep their query and log-sum-exp (``Captures``): the kernel gives both in its
+    one pass, so such a batch no longer falls back to decoding every row. On tiny-random the rule recalls the same
+    blocks and reads the same greedy tokens, each log-probability within float32 rounding carried through the
+    steps, with the kernel and with it switched off; the kernel served the capturing steps."""
+    captured = []
+    real = kernel.decode_attention_lse
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        captured.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernel, "decode_attention_lse", counted)
+    monkeypatch.setattr(attention, "DECODE_KERNEL", True)
+    tokens, recalled, logprobs = _generate_recalling()
+    assert captured and all(captured) and sum(recalled) > 0
+    captured.clear()
+    monkeypatch.setattr(attention, "DECODE_KERNEL", False)
+    ref_tokens, ref_recalled, ref_logprobs = _generate_recalling()
+    assert not captured
+    assert tokens == ref_tokens and recalled == ref_recalled
     assert (logprobs - ref_logprobs).abs().max() < 1e-3
 
 

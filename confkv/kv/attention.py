@@ -118,10 +118,10 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 #: compare it with).
 FOLD_DECODE = True
 
-#: Decode attention over an int8, fp8 or int4 pool, where it records nothing, runs the C++ kernel over the codes
-#: (``confkv/kv/kernel.py``) on the CPU, reading a float32 float window's copies where a block has one; False (or
-#: ``CONFKV_DECODE_KERNEL=0`` in the environment) keeps the torch paths above, as does a kernel that could not be
-#: built.
+#: Decode attention over an int8, fp8 or int4 pool, where it records no attention mass, runs the C++ kernel over the
+#: codes (``confkv/kv/kernel.py``) on the CPU, reading a float32 float window's copies where a block has one and
+#: returning the log-sum-exp a recall's capture keeps; False (or ``CONFKV_DECODE_KERNEL=0`` in the environment) keeps
+#: the torch paths above, as does a kernel that could not be built.
 DECODE_KERNEL = kernel.enabled_by_env()
 
 
@@ -150,14 +150,18 @@ def _decode_attention(
     """``q``: ``[num_decode, heads, D]`` -> output ``[num_decode, heads, D]``."""
     pool = batch.pool
     plain = batch.decode_track is None and not batch.capture_decode and not batch.decode_demoted
-    if DECODE_KERNEL and plain and kernel.supported(pool):
-        # int8/fp8/int4, nothing to record: one fused pass over the codes, and over the float window's copies where
-        # a block has one (None if the kernel could not be built)
+    if DECODE_KERNEL and batch.decode_track is None and not batch.decode_demoted and kernel.supported(pool):
+        # int8/fp8/int4, no attention mass to record: one fused pass over the codes, and over the float window's
+        # copies where a block has one; a recall's query and log-sum-exp come out of the same pass (None if the
+        # kernel could not be built)
         qg = _grouped(q, pool.num_kv_heads)
         valid = _in_window(batch, batch.decode_valid, batch.decode_pos, window)
-        out = kernel.decode_attention(pool, layer, batch.decode_blocks, qg, valid, scaling, batch.decode_arena)
-        if out is not None:
-            return out.reshape(q.shape)
+        both = kernel.decode_attention_lse(pool, layer, batch.decode_blocks, qg, valid, scaling, batch.decode_arena)
+        if both is not None:
+            if batch.capture_decode:
+                captures[0].append(qg)
+                captures[1].append(both[1])
+            return both[0].reshape(q.shape)
     if FOLD_DECODE and plain and batch.decode_window is None and pool.codec is not None and folded.supported(pool):
         # int8/fp8, nothing to record: attention straight over the codes, scales folded into scores and probabilities
         valid = _in_window(batch, batch.decode_valid, batch.decode_pos, window)

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <limits>
 #include <vector>
 
@@ -184,8 +185,10 @@ inline float exp_shifted(float* p, int64_t n, float m) {
 // k, v: one layer of the pool, [slots, kvh, k_row] and [slots, kvh, v_row] bytes; blocks [n, mb] int64;
 // valid [n, mb * bs] bool; q [n, kvh, g, D] float32 (contiguous); the float window's arena of this layer, wk and
 // wv [arena_rows, kvh, D] float32, with arena [n, mb] int64 (each gathered block's arena block, -1: its codes), or
-// an empty arena where the pool has no window. Returns [n, kvh, g, D] float32.
-at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::Tensor& blocks,
+// an empty arena where the pool has no window. Returns the output [n, kvh, g, D] float32 and each query's
+// log-sum-exp of its scaled scores [n, kvh, g] float32 (-inf where it has no key), what a recall scores host blocks
+// against.
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const at::Tensor& v, const at::Tensor& blocks,
                             const at::Tensor& valid, const at::Tensor& q, double scaling, int64_t format,
                             int64_t block_size, const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& arena) {
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && blocks.is_contiguous() && valid.is_contiguous() &&
@@ -212,12 +215,14 @@ at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::
   const float code_unit = fp8 ? 256.0f : 1.0f;
   if (fp8) fp8_table();  // built once, before the threads read it
   auto out = at::empty({n, kvh, g, d}, q.options());
+  auto lse = at::empty({n, kvh, g}, q.options());
   const uint8_t* kp = k.data_ptr<uint8_t>();
   const uint8_t* vp = v.data_ptr<uint8_t>();
   const int64_t* bp = blocks.data_ptr<int64_t>();
   const bool* okp = valid.data_ptr<bool>();
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
   const int64_t keys = mb * bs;
   for (int64_t i = 0; i < n * mb; ++i) {
     TORCH_CHECK(bp[i] >= 0 && (bp[i] + 1) * bs <= slots, "decode kernel: block id out of the pool");
@@ -318,10 +323,12 @@ at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::
         if (m == -std::numeric_limits<float>::infinity()) {  // no key at all: zeros, not NaN
           std::fill(sj, sj + keys, 0.f);
           inv[j] = 0.f;
+          lp[item * g + j] = m;
           continue;
         }
         const float sum = exp_shifted(sj, keys, m);
         inv[j] = 1.0f / sum;
+        lp[item * g + j] = m + std::log(sum);
       }
       // values
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -376,7 +383,7 @@ at::Tensor decode_attention(const at::Tensor& k, const at::Tensor& v, const at::
       }
     }
   });
-  return out;
+  return {out, lse};
 }
 
 // Whether this build took the AVX2/F16C/FMA loops (else plain C++ loops): reported by the Python side.

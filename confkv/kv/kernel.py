@@ -140,6 +140,22 @@ def decode_attention(
     max_blocks]``: each gathered block's block in the pool's float window (``FloatWindow.index`` of ``blocks``),
     ``-1`` where its codes are read; None reads codes only. Returns ``[n, kvh, g, D]`` in ``qg``'s dtype, or None
     where the kernel is not available (the caller takes the torch path)."""
+    both = decode_attention_lse(pool, layer, blocks, qg, valid, scaling, arena)
+    return None if both is None else both[0]
+
+
+def decode_attention_lse(
+    pool: BlockPool,
+    layer: int,
+    blocks: torch.Tensor,
+    qg: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    arena: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``decode_attention``'s output and each query's log-sum-exp of its scaled scores ``[n, kvh, g]`` (float32):
+    what a sequence that may recall keeps of its step (``Captures``), so it too takes the kernel. The kernel
+    computes both in every call (the log-sum-exp is one ``log`` per query); None where it is not available."""
     fmt = _format(pool)
     mod = load() if fmt is not None and pool.device.type == "cpu" else None
     if mod is None:
@@ -152,10 +168,10 @@ def decode_attention(
     else:
         wk = wv = _NO_ARENA
         arena = _NO_INDEX
-    out = mod.decode_attention(pool.k[layer], pool.v[layer], blocks.to(torch.long).contiguous(),
-                               valid.to(torch.bool).contiguous(), qg.to(torch.float32).contiguous(),
-                               float(scaling), fmt, pool.block_size, wk, wv, arena)  # fmt: skip
-    return out.to(qg.dtype)
+    out, lse = mod.decode_attention(pool.k[layer], pool.v[layer], blocks.to(torch.long).contiguous(),
+                                    valid.to(torch.bool).contiguous(), qg.to(torch.float32).contiguous(),
+                                    float(scaling), fmt, pool.block_size, wk, wv, arena)  # fmt: skip
+    return out.to(qg.dtype), lse
 
 
 #: What the kernel receives where no float window is read (its "no arena").
