@@ -110,9 +110,9 @@ class RowSpec:
     demote_dtype: str | None = None
 
 
-def _dtype_suffix(rest: list[str], text: str, what: str = "POLICY") -> tuple[str | None, str | None]:
-    """``[KV_DTYPE[:demote=DTYPE]]`` after an entry's policy, as (kv_cache_dtype, demote_dtype), or a one-line
-    ``ConfkvError`` naming what is wrong with it."""
+def parse_dtype_suffix(rest: list[str], text: str, what: str = "POLICY") -> tuple[str | None, str | None]:
+    """``[KV_DTYPE[:demote=DTYPE]]`` after an entry's policy (its colon-separated parts), as (kv_cache_dtype,
+    demote_dtype), or a one-line ``ConfkvError`` naming what is wrong with it in ``text``, the entry as written."""
     rest = list(rest)
     dtypes = get_args(KVCacheDtype)
     demotes = get_args(CachePolicy.model_fields["demote_dtype"].annotation)
@@ -137,7 +137,7 @@ def parse_row(text: str, builtin: tuple[str, ...]) -> RowSpec:
     name, rest = parts[0], parts[1:]
     if name not in builtin:
         raise ConfkvError(f"unknown policy {name!r} in {text!r}; choose from {', '.join(builtin)}")
-    kv, demote = _dtype_suffix(rest, text)
+    kv, demote = parse_dtype_suffix(rest, text)
     if demote and name not in VARIANT_CONTROLLERS + FIXED_BASELINES:
         raise ConfkvError(f"{text!r}: demote_dtype applies to an evicting policy, not {name!r}")
     return RowSpec(text.strip(), name, kv, demote)
@@ -157,7 +157,7 @@ def parse_file_row(text: str) -> RowSpec:
         if head in get_args(KVCacheDtype):
             break
         path, suffix = f"{path}:{head}", rest
-    kv, demote = _dtype_suffix(suffix.split(":"), text, "PATH")
+    kv, demote = parse_dtype_suffix(suffix.split(":"), text, "PATH")
     return RowSpec(text, path, kv, demote)
 
 

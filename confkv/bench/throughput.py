@@ -40,7 +40,7 @@ import torch
 
 from confkv.bench.intervals import bootstrap_mean, ratio_interval, t_interval
 from confkv.bench.provenance import git_commit
-from confkv.bench.specs import FIXED_BASELINES, baseline_policy, parse_file_row, parse_row, scaled_dynamic
+from confkv.bench.specs import FIXED_BASELINES, baseline_policy, parse_dtype_suffix, parse_file_row, scaled_dynamic
 from confkv.bench.streams import (
     SCENARIOS,
     StreamRequest,
@@ -285,11 +285,13 @@ def stream_rows(
     names = list(dict.fromkeys(n.strip() for n in names))  # a name given twice is one row
     for text in names:
         name, _, suffix = text.partition(":")
-        entry = parse_row(f"{name.partition('@')[0]}{':' + suffix if suffix else ''}", BUILTIN_POLICIES)
         policy = _named_policy(name, dynamic)
-        if entry.demote_dtype:
-            policy = policy.replace(demote_dtype=entry.demote_dtype)
-        out.append(StreamRow(text, policy, entry.kv_cache_dtype or kv_cache_dtype))
+        kv, demote = parse_dtype_suffix(suffix.split(":") if suffix else [], text)
+        if demote:
+            if policy.controller == "full":
+                raise ConfkvError(f"{text!r}: demote_dtype applies to an evicting policy, not 'full'")
+            policy = policy.replace(demote_dtype=demote)
+        out.append(StreamRow(text, policy, kv or kv_cache_dtype))
     taken = set(names) | {"full"}  # the quality reference is added as "full" when no row keeps everything
     for text in policy_files:
         entry = parse_file_row(text)
