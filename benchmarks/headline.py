@@ -1,6 +1,8 @@
-"""The long-generation headline as one table (issue 34): per policy its resident KV share, requests/s against
-on-demand ``full``, fidelity on ``full``'s answers (KL, top-1 agreement), and BLEU-4 / ROUGE-L of its own answers
-against ``full``'s, each with its 95% interval, assembled from the runs that measured them.
+"""The long-generation headline as one table (issue 34): per policy its KV dtype and resident KV share (in tokens,
+and in bytes at that dtype against ``full``'s at the model's dtype, so ``snapkv@128:int8``'s quantised tokens count
+at what they cost), requests/s against on-demand ``full``, fidelity on ``full``'s answers (KL, top-1 agreement), and
+BLEU-4 / ROUGE-L of its own answers against ``full``'s, each with its 95% interval, assembled from the runs that
+measured them.
 
     python benchmarks/headline.py --throughput bench-out/longgen/results.json --fidelity fidelity.json
 
@@ -64,8 +66,11 @@ def assemble(throughputs: list[dict[str, Any]], fidelities: list[dict[str, Any]]
             row = rows.setdefault(_plain(name), {})
             if "requests_per_s" in row:
                 continue
+            kvb = m.get("kv_bytes_fraction_mean")  # absent from runs before rows had their own dtype
             row.update({
+                "kv_cache_dtype": m.get("kv_cache_dtype", results.get("settings", {}).get("kv_cache_dtype")),
                 "kv_share": [m["kv_fraction_mean"], *(m.get("kv_fraction_ci") or [None, None])],
+                "kv_bytes_share": None if kvb is None else [kvb, *(m.get("kv_bytes_fraction_ci") or [None, None])],
                 "requests_per_s": [m["requests_per_s"], *(m.get("requests_per_s_ci") or [None, None])],
                 "vs_full": [m["requests_per_s_vs_full"], *(m.get("requests_per_s_vs_full_ci") or [None, None])],
                 "peak_pool": m.get("peak_pool_usage"),
@@ -78,10 +83,13 @@ def assemble(throughputs: list[dict[str, Any]], fidelities: list[dict[str, Any]]
             if "kl" not in row:
                 row.update({k: q[k] for k in ("kl", "top1_agreement", "bleu4_vs_full", "rougeL_vs_full")})
                 row["kv_share_scoring"] = q["kv_fraction"]
+                row["kv_bytes_share_scoring"] = q.get("kv_bytes_fraction")
+                row.setdefault("kv_cache_dtype", q.get("kv_cache_dtype"))
     if REFERENCE in rows and fidelities:
         rows[REFERENCE].update({"kl": [0.0, None, None], "top1_agreement": [1.0, None, None],
                                 "bleu4_vs_full": [100.0, None, None], "rougeL_vs_full": [1.0, None, None],
-                                "kv_share_scoring": [1.0, None, None]})  # fmt: skip
+                                "kv_share_scoring": [1.0, None, None],
+                                "kv_bytes_share_scoring": [1.0, None, None]})  # fmt: skip
     return {"rows": rows, "speed_references": references,
             "fidelity_requests": [f.get("requests") for f in fidelities]}  # fmt: skip
 
@@ -97,9 +105,10 @@ def _cell(v: list | None, spec: str, scale: float = 1.0) -> str:
 
 def markdown(table: dict[str, Any]) -> str:
     lines = [
-        "| policy | KV share (served) | req/s | vs on-demand `full` | KV share (scoring) | KL on full's answers | "
-        "top-1 agreement | BLEU-4 vs full | ROUGE-L vs full |",
-        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | KV share (served) | KV dtype | KV bytes share (served) | req/s | vs on-demand `full` | "
+        "KV share (scoring) | KV bytes share (scoring) | KL on full's answers | top-1 agreement | BLEU-4 vs full | "
+        "ROUGE-L vs full |",
+        "|:---|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in table["rows"].items():
         ratio = _cell(r.get("vs_full"), ".2f")
@@ -110,8 +119,10 @@ def markdown(table: dict[str, Any]) -> str:
             if len(table["speed_references"]) > 1:
                 ratio += f" (run {r['run']})"
         lines.append(
-            f"| `{name}` | {_cell(r.get('kv_share'), '.2f')} | {_cell(r.get('requests_per_s'), '.3f')} | {ratio} | "
-            f"{_cell(r.get('kv_share_scoring'), '.3f')} | {_cell(r.get('kl'), '.4f')} | "
+            f"| `{name}` | {_cell(r.get('kv_share'), '.2f')} | {r.get('kv_cache_dtype') or ''} | "
+            f"{_cell(r.get('kv_bytes_share'), '.2f')} | {_cell(r.get('requests_per_s'), '.3f')} | {ratio} | "
+            f"{_cell(r.get('kv_share_scoring'), '.3f')} | {_cell(r.get('kv_bytes_share_scoring'), '.3f')} | "
+            f"{_cell(r.get('kl'), '.4f')} | "
             f"{_cell(r.get('top1_agreement'), '.3f')} | "
             f"{_cell(r.get('bleu4_vs_full'), '.1f')} | {_cell(r.get('rougeL_vs_full'), '.3f')} |"
         )

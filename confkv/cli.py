@@ -200,7 +200,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
-    from confkv.bench.throughput import SCENARIOS, run_throughput
+    from confkv.bench.streams import ThroughputSpec
+    from confkv.bench.throughput import SCENARIOS, run_throughput, stream_rows
     from confkv.bench.throughput_report import write_throughput_report
 
     policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]
@@ -208,10 +209,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     scenarios = tuple(dict.fromkeys(s.strip() for s in args.scenarios.split(",") if s.strip()))
     if not scenarios or set(scenarios) - set(SCENARIOS):
         raise ConfkvError(f"--scenarios takes {', '.join(SCENARIOS)}")
-    for f in args.policy_file:
-        from confkv.policy_source import load_policy
-
-        load_policy(f)
+    stream_rows(policies, args.policy_file, ThroughputSpec(), args.kv_cache_dtype)  # one line on a bad entry, now
     changes = {"arrival_rate": args.arrival_rate, "requests": args.requests, "max_tokens": args.max_tokens}
     if any(v is not None and not (math.isfinite(v) and v > 0) for v in changes.values()):
         raise ConfkvError("--arrival-rate, --requests and --max-tokens must be positive numbers")

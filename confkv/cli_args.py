@@ -166,16 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         default=None,
         help="comma-separated built-in policies (default: all; throughput suite: full,dynamic); dynamic uses the "
-        "requirement's defaults scaled; throughput suite: h2o@192 is a fixed baseline at 192 tokens; quick/standard: "
-        "POLICY:KV_DTYPE[:demote=DTYPE] gives a row its own --kv-cache-dtype (full:int8, dynamic:int8:demote=int4), "
-        "baselines matched to its bytes",
+        "requirement's defaults scaled; throughput suite: h2o@192 is a fixed baseline at 192 tokens; "
+        "POLICY:KV_DTYPE[:demote=DTYPE] gives a row its own --kv-cache-dtype (full:int8, dynamic:int8:demote=int4, "
+        "snapkv@128:int8); quick/standard: baselines matched to its bytes; throughput: every row's pool has the same "
+        "bytes, and full at --kv-cache-dtype stays the reference",
     )
     bench.add_argument(
         "--policy-file",
         action="append",
         default=[],
         help="also measure this YAML policy; quick/standard: a dynamic or learned one gets its own fixed "
-        "baselines, matched to its memory (window@NAME, ...)",
+        "baselines, matched to its memory (window@NAME, ...); throughput: PATH:KV_DTYPE[:demote=DTYPE] runs it on a "
+        "pool of that dtype (rule.yaml:int8)",
     )
     bench.add_argument("--out", required=True, help="output folder")
     bench.add_argument("--seed", type=int, default=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, get_args
 
 from confkv.config import CachePolicy, KVCacheDtype
@@ -109,12 +110,10 @@ class RowSpec:
     demote_dtype: str | None = None
 
 
-def parse_row(text: str, builtin: tuple[str, ...]) -> RowSpec:
-    """A ``--policies`` entry, or a one-line ``ConfkvError`` naming what is wrong with it."""
-    parts = text.strip().split(":")
-    name, rest = parts[0], parts[1:]
-    if name not in builtin:
-        raise ConfkvError(f"unknown policy {name!r} in {text!r}; choose from {', '.join(builtin)}")
+def parse_dtype_suffix(rest: list[str], text: str, what: str = "POLICY") -> tuple[str | None, str | None]:
+    """``[KV_DTYPE[:demote=DTYPE]]`` after an entry's policy (its colon-separated parts), as (kv_cache_dtype,
+    demote_dtype), or a one-line ``ConfkvError`` naming what is wrong with it in ``text``, the entry as written."""
+    rest = list(rest)
     dtypes = get_args(KVCacheDtype)
     demotes = get_args(CachePolicy.model_fields["demote_dtype"].annotation)
     kv = demote = None
@@ -123,14 +122,43 @@ def parse_row(text: str, builtin: tuple[str, ...]) -> RowSpec:
         if kv not in dtypes:
             raise ConfkvError(f"unknown kv_cache_dtype {kv!r} in {text!r}; choose from {', '.join(dtypes)}")
     if rest:
-        key, _, demote = rest.pop(0).partition("=")
+        part = rest.pop(0)
+        key, _, demote = part.partition("=")
         if key != "demote" or demote not in demotes:
-            raise ConfkvError(f"bad {':'.join(parts[2:3])!r} in {text!r}; write demote=" + "|".join(demotes))
-        if name not in VARIANT_CONTROLLERS + FIXED_BASELINES:
-            raise ConfkvError(f"{text!r}: demote_dtype applies to an evicting policy, not {name!r}")
+            raise ConfkvError(f"bad {part!r} in {text!r}; write demote=" + "|".join(demotes))
     if rest:
-        raise ConfkvError(f"bad policy entry {text!r}; write POLICY[:KV_DTYPE[:demote=DTYPE]]")
+        raise ConfkvError(f"bad entry {text!r}; write {what}[:KV_DTYPE[:demote=DTYPE]]")
+    return kv, demote
+
+
+def parse_row(text: str, builtin: tuple[str, ...]) -> RowSpec:
+    """A ``--policies`` entry, or a one-line ``ConfkvError`` naming what is wrong with it."""
+    parts = text.strip().split(":")
+    name, rest = parts[0], parts[1:]
+    if name not in builtin:
+        raise ConfkvError(f"unknown policy {name!r} in {text!r}; choose from {', '.join(builtin)}")
+    kv, demote = parse_dtype_suffix(rest, text)
+    if demote and name not in VARIANT_CONTROLLERS + FIXED_BASELINES:
+        raise ConfkvError(f"{text!r}: demote_dtype applies to an evicting policy, not {name!r}")
     return RowSpec(text.strip(), name, kv, demote)
+
+
+def parse_file_row(text: str) -> RowSpec:
+    """A ``--policy-file`` entry of the throughput suite, ``PATH[:KV_DTYPE[:demote=DTYPE]]``
+    (``rule.yaml:int8``): ``policy`` is the path. A path that exists as given is the whole entry (a colon in a file
+    name stays the file's); otherwise the part from the first colon that starts a dtype is parsed as ``parse_row``
+    parses it, one line if it is not one. Whether the file loads is ``load_policy``'s to say."""
+    text = text.strip()
+    if Path(text).exists() or ":" not in text:
+        return RowSpec(text, text, None, None)
+    path, _, suffix = text.partition(":")
+    while ":" in suffix and not Path(path).exists():  # a colon inside the path: move it over to the path
+        head, _, rest = suffix.partition(":")
+        if head in get_args(KVCacheDtype):
+            break
+        path, suffix = f"{path}:{head}", rest
+    kv, demote = parse_dtype_suffix(suffix.split(":"), text, "PATH")
+    return RowSpec(text, path, kv, demote)
 
 
 def suite_spec(model: str, suite: str) -> SuiteSpec:

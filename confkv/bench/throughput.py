@@ -33,14 +33,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from confkv.bench.intervals import bootstrap_mean, ratio_interval, t_interval
 from confkv.bench.provenance import git_commit
-from confkv.bench.specs import FIXED_BASELINES, baseline_policy, scaled_dynamic
+from confkv.bench.specs import FIXED_BASELINES, baseline_policy, parse_dtype_suffix, parse_file_row, scaled_dynamic
 from confkv.bench.streams import (
     SCENARIOS,
     StreamRequest,
@@ -55,6 +55,7 @@ from confkv.bench.textmetrics import rouge_l
 from confkv.config import BUILTIN_POLICIES, MAX_TOKENS, CachePolicy
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
+from confkv.kv.pool import BlockPool
 from confkv.llm import LLM
 from confkv.model_loader import LoadedModel, load_model
 from confkv.policy_source import load_policy
@@ -121,7 +122,10 @@ def run_engine_stream(llm: LLM, requests: list[StreamRequest]) -> StreamResult:
     ttft = [d + o.timing["queue_s"] + o.timing["prefill_s"] for d, o in zip(late, outs, strict=True)]
     latency = [t + o.timing["decode_s"] for t, o in zip(ttft, outs, strict=True)]
     generated = sum(o.generated_tokens for o in outs)
-    kv_fraction = [o.kv["mean_resident_tokens"] / (o.prompt_tokens + (o.generated_tokens - 1) / 2) for o in outs]
+    full_tokens = [o.prompt_tokens + (o.generated_tokens - 1) / 2 for o in outs]
+    kv_fraction = [o.kv["mean_resident_tokens"] / f for o, f in zip(outs, full_tokens, strict=True)]
+    auto = auto_bytes_per_token(llm)
+    kv_bytes = [resident_bytes(o.kv) / (f * auto) for o, f in zip(outs, full_tokens, strict=True)]
     stats = engine.stats()
     metrics = {
         "requests": len(outs),
@@ -140,6 +144,10 @@ def run_engine_stream(llm: LLM, requests: list[StreamRequest]) -> StreamResult:
         "peak_pool_usage": peak_usage,
         "kv_fraction_mean": float(np.mean(kv_fraction)),
         "kv_fraction_per_request": [float(f) for f in kv_fraction],
+        "kv_bytes_fraction_mean": float(np.mean(kv_bytes)),
+        "kv_bytes_fraction_per_request": [float(f) for f in kv_bytes],
+        "kv_cache_dtype": engine.pool.kv_cache_dtype,
+        "pool_tokens": engine.pool.num_tokens,
         "pool_blocks": stats["pool_blocks"],
         "recalled_blocks": stats["recalled_blocks"],
     }
@@ -238,33 +246,80 @@ def sized_baseline(name: str, dynamic: CachePolicy) -> CachePolicy | None:
     return baseline_policy(dynamic, base, int(size))
 
 
-def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -> list[tuple[str, CachePolicy]]:
-    """The suite's policies by name (``dynamic`` at the suite's sizes, fixed ones at its ``max_size`` or at the
-    size after ``@``) and files, ``full`` first (added as the quality reference when no policy keeps everything)."""
+@dataclass(frozen=True)
+class StreamRow:
+    """One policy of a stream run: its row name, the policy, and the ``kv_cache_dtype`` of its pool (the run's
+    unless the entry named one: ``snapkv@128:int8``, ``rule.yaml:int8``)."""
+
+    name: str
+    policy: CachePolicy
+    kv_cache_dtype: str = "auto"
+
+
+def _named_policy(name: str, dynamic: CachePolicy) -> CachePolicy:
+    """A built-in policy at the stream's sizes, or a fixed one at the size after ``@``."""
+    sized = sized_baseline(name, dynamic)
+    if sized is not None:
+        return sized
+    if name not in BUILTIN_POLICIES:
+        raise ConfkvError(
+            f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)} (a fixed one sized: h2o@192)"
+        )
+    if name == "full":
+        return CachePolicy(controller="full")
+    if name == "dynamic":
+        return dynamic
+    return baseline_policy(dynamic, name, dynamic.max_size)  # fixed baselines at dynamic's ceiling
+
+
+def stream_rows(
+    names: list[str], policy_files: list[str], spec: ThroughputSpec, kv_cache_dtype: str = "auto"
+) -> list[StreamRow]:
+    """The suite's rows: entries ``POLICY[:KV_DTYPE[:demote=DTYPE]]`` (``dynamic`` at the suite's sizes, fixed
+    ones at its ``max_size`` or at the size after ``@``: ``snapkv@128:int8``) and files ``PATH[:KV_DTYPE[:...]]``
+    (``parse_file_row``), ``full`` first. ``full`` at the run's ``kv_cache_dtype`` is the reference of quality and
+    speed: it is added when no entry is ``full`` at that dtype (``full:int8`` alone is a row, not the reference).
+    """
     dynamic = scaled_dynamic(spec.scale)
-    out: list[tuple[str, CachePolicy]] = []
-    names = list(dict.fromkeys(names))  # a name given twice is one row
-    for name in names:
-        sized = sized_baseline(name, dynamic)
-        if sized is not None:
-            out.append((name, sized))
-            continue
-        if name not in BUILTIN_POLICIES:
-            raise ConfkvError(
-                f"unknown policy {name!r}; choose from {', '.join(BUILTIN_POLICIES)} (a fixed one sized: h2o@192)"
-            )
-        if name == "full":
-            out.append((name, CachePolicy(controller="full")))
-        elif name == "dynamic":
-            out.append((name, dynamic))
-        else:  # fixed baselines at dynamic's ceiling
-            out.append((name, baseline_policy(dynamic, name, dynamic.max_size)))
+    out: list[StreamRow] = []
+    names = list(dict.fromkeys(n.strip() for n in names))  # a name given twice is one row
+    for text in names:
+        name, _, suffix = text.partition(":")
+        policy = _named_policy(name, dynamic)
+        kv, demote = parse_dtype_suffix(suffix.split(":") if suffix else [], text)
+        if demote:
+            if policy.controller == "full":
+                raise ConfkvError(f"{text!r}: demote_dtype applies to an evicting policy, not 'full'")
+            policy = policy.replace(demote_dtype=demote)
+        out.append(StreamRow(text, policy, kv or kv_cache_dtype))
     taken = set(names) | {"full"}  # the quality reference is added as "full" when no row keeps everything
-    out.extend((row_name(Path(f).stem, taken), load_policy(f)) for f in policy_files)
-    if not any(p.controller == "full" for _, p in out):
-        out.insert(0, ("full", CachePolicy(controller="full")))  # the quality reference
-    out.sort(key=lambda p: p[1].controller != "full")
+    for text in policy_files:
+        entry = parse_file_row(text)
+        policy = load_policy(entry.policy)
+        if entry.demote_dtype:
+            policy = policy.replace(demote_dtype=entry.demote_dtype)
+        suffix = text.strip()[len(entry.policy) :]  # the entry's own ":int8..." names its row beside the plain file's
+        out.append(StreamRow(row_name(Path(entry.policy).stem + suffix, taken), policy,
+                             entry.kv_cache_dtype or kv_cache_dtype))  # fmt: skip
+    if not any(is_reference(r, kv_cache_dtype) for r in out):
+        out.insert(0, StreamRow("full", CachePolicy(controller="full"), kv_cache_dtype))  # the quality reference
+    out.sort(key=lambda r: r.policy.controller != "full")
     return out
+
+
+def is_reference(row: StreamRow, kv_cache_dtype: str) -> bool:
+    """Whether ``row`` is ``full`` at the run's dtype: what every other row is compared with."""
+    return row.policy.controller == "full" and row.kv_cache_dtype == kv_cache_dtype
+
+
+def stream_policies(names: list[str], policy_files: list[str], spec: ThroughputSpec) -> list[tuple[str, CachePolicy]]:
+    """``stream_rows`` as (name, policy) pairs for the benchmarks that run every row at one dtype; an entry naming
+    its own dtype is refused in one line there rather than run at another dtype than it says."""
+    rows = stream_rows(names, policy_files, spec)
+    spelled = [r.name for r in rows if r.kv_cache_dtype != "auto"]
+    if spelled:
+        raise ConfkvError(f"{spelled[0]!r}: this benchmark runs every policy at one kv_cache_dtype; drop the :DTYPE")
+    return [(r.name, r.policy) for r in rows]
 
 
 def _over_runs(runs: list[StreamResult], full_rates: list[float], is_reference: bool) -> dict[str, Any]:
@@ -281,31 +336,56 @@ def _over_runs(runs: list[StreamResult], full_rates: list[float], is_reference: 
         "requests_per_s_vs_full": float(np.mean(rates)) / float(np.mean(full_rates)),
         "requests_per_s_vs_full_ci": None if is_reference else ratio_interval(rates, full_rates),
         "kv_fraction_ci": bootstrap_mean(runs[0].metrics["kv_fraction_per_request"]),
+        "kv_bytes_fraction_ci": bootstrap_mean(runs[0].metrics["kv_bytes_fraction_per_request"]),
         "same_answers_every_run": same,
     }
 
 
-Row = tuple[str, CachePolicy, str, int]  # name, policy, admission mode, pool size as a multiple of the stream's
+class Row(NamedTuple):
+    """One engine configuration of a stream: a policy under one admission mode on a pool of ``factor`` times the
+    stream's bytes, storing its KV at ``kv_cache_dtype``."""
+
+    name: str
+    policy: CachePolicy
+    mode: str
+    factor: int
+    kv_cache_dtype: str
 
 
-def _rows(chosen: list[tuple[str, CachePolicy]], admissions: tuple[str, ...], ceiling: int | None = None) -> list[Row]:
+def _rows(chosen: list[StreamRow], admissions: tuple[str, ...], ceiling: int | None, kv_cache_dtype: str) -> list[Row]:
     """Every policy under every admission mode, named ``NAME:MODE`` when there are several modes; with
-    ``ceiling``, ``full`` once more with a pool that many times larger (``full:Nx``, on demand when that mode
-    runs): how far any cache policy could go on this stream."""
-    rows = [(name if len(admissions) == 1 else f"{name}:{mode}", policy, mode, 1)
-            for name, policy in chosen for mode in admissions]  # fmt: skip
+    ``ceiling``, ``full`` once more at the run's dtype with a pool that many times larger (``full:Nx``, on demand
+    when that mode runs): how far any cache policy could go on this stream."""
+    rows = [Row(r.name if len(admissions) == 1 else f"{r.name}:{mode}", r.policy, mode, 1, r.kv_cache_dtype)
+            for r in chosen for mode in admissions]  # fmt: skip
     if ceiling:
         mode = "on_demand" if "on_demand" in admissions else admissions[0]
-        rows.append((f"full:{ceiling}x", CachePolicy(controller="full"), mode, ceiling))
+        rows.append(Row(f"full:{ceiling}x", CachePolicy(controller="full"), mode, ceiling, kv_cache_dtype))
     return rows
 
 
-def _reference_rows(rows: list[Row]) -> tuple[str, str]:
-    """The rows quality is measured against (``full``'s first) and requests/s against (``full`` on demand when
-    it ran: the baseline a vLLM user compares with)."""
-    full = [(name, mode) for name, p, mode, factor in rows if p.controller == "full" and factor == 1]
-    speed = next((name for name, mode in full if mode == "on_demand"), full[0][0])
-    return full[0][0], speed
+def _reference_rows(rows: list[Row], kv_cache_dtype: str) -> tuple[str, str]:
+    """The rows quality is measured against (``full``'s first at the run's dtype) and requests/s against (that
+    ``full`` on demand when it ran: the baseline a vLLM user compares with)."""
+    full = [r for r in rows if r.policy.controller == "full" and r.factor == 1 and r.kv_cache_dtype == kv_cache_dtype]
+    speed = next((r.name for r in full if r.mode == "on_demand"), full[0].name)
+    return full[0].name, speed
+
+
+def auto_bytes_per_token(llm: LLM) -> float:
+    """Bytes one token's K and V take at the model's dtype (``full`` at ``auto``): the denominator of the byte
+    shares, so a quantised row's share says what it holds against the float cache the pool was sized for."""
+    pool = llm.engine.pool
+    per_block = BlockPool.bytes_per_block_for(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
+                                              pool.compute_dtype)  # fmt: skip
+    return per_block / pool.block_size
+
+
+def resident_bytes(kv: dict[str, Any]) -> float:
+    """Mean bytes a request held on the device: its resident tokens at the pool's dtype, plus its demoted copies
+    (their peak, held throughout as they must be provisioned) and its float window's copies."""
+    extra = float(kv.get("demoted_peak_bytes") or 0) + float(kv.get("float_window_mean_bytes") or 0)
+    return float(kv["mean_resident_bytes"]) + extra
 
 
 def _stream_settings(loaded: LoadedModel, spec: ThroughputSpec, requests: list[StreamRequest], pool: int) -> dict:
@@ -343,9 +423,10 @@ def run_throughput(
 ) -> dict[str, Any]:
     """Every scenario (``SCENARIOS``) for every policy under every admission mode; ``spec`` and
     ``longgen_spec`` size the two streams (default: ``default_spec``), and ``changes`` (spec fields) are applied to
-    both. ``ceiling`` adds ``full`` with a pool that many times larger. Every engine stores its KV at
-    ``kv_cache_dtype`` in a pool of the same bytes (sized for ``full`` at the model's dtype), so a quantised pool
-    shows what its extra tokens buy in requests served.
+    both. ``ceiling`` adds ``full`` with a pool that many times larger. Every engine stores its KV at its row's
+    dtype (``snapkv@128:int8``; ``kv_cache_dtype`` where the row names none) in a pool of the same bytes (sized for
+    ``full`` at the model's dtype), so a quantised pool shows what its extra tokens buy in requests served; ``full``
+    at ``kv_cache_dtype`` is the reference.
 
     ``repeats`` runs every row that many times, round-robin (each repeat runs all rows once, so a slow spell of
     the machine falls on every row alike): requests/s and output tokens/s are then the mean over the runs, with
@@ -359,10 +440,11 @@ def run_throughput(
     streams: dict[str, dict[str, Any]] = {}
     for stream in dict.fromkeys(SCENARIOS[s] for s in scenarios):
         sp = specs[stream]
-        chosen = stream_policies(policies, policy_files or [], sp)
-        pool = pool_bytes_for(loaded, sp, chosen[0][1].block_size)
+        chosen = stream_rows(policies, policy_files or [], sp, kv_cache_dtype)
+        pool = pool_bytes_for(loaded, sp, chosen[0].policy.block_size)
         requests = stream_requests(loaded.tokenizer, sp, seed)
-        streams[stream] = {"spec": sp, "rows": _rows(chosen, admissions, ceiling), "pool": pool, "requests": requests,
+        rows = _rows(chosen, admissions, ceiling, kv_cache_dtype)
+        streams[stream] = {"spec": sp, "rows": rows, "pool": pool, "requests": requests,
                            "settings": {**_stream_settings(loaded, sp, requests, pool), "seed": seed}}  # fmt: skip
     first = streams[SCENARIOS[scenarios[0]]]
     out: dict[str, Any] = {
@@ -377,7 +459,8 @@ def run_throughput(
             "host_kv_dtype": host_kv_dtype,
             "kv_float_window": kv_float_window,
         },
-        "policy_settings": {name: p.model_dump(mode="json") for name, p, _, _ in first["rows"]},
+        "policy_settings": {r.name: r.policy.model_dump(mode="json") for r in first["rows"]},
+        "row_kv_cache_dtypes": {r.name: r.kv_cache_dtype for r in first["rows"]},
     }
     traces: dict[str, dict[str, list]] = {}
     runs = sum(repeats * len(streams[SCENARIOS[s]]["rows"]) + (1 if hf else 0) for s in scenarios)
@@ -388,13 +471,13 @@ def run_throughput(
             poisson = scenario.endswith("poisson")
             requests = with_poisson_arrivals(base, sp.arrival_rate, seed) if poisson else base
             results: dict[str, StreamResult] = {}
-            runs_of: dict[str, list[StreamResult]] = {name: [] for name, _, _, _ in st["rows"]}
+            runs_of: dict[str, list[StreamResult]] = {r.name: [] for r in st["rows"]}
             for rep in range(repeats):
-                for name, policy, mode, factor in st["rows"]:
+                for name, policy, mode, factor, row_dtype in st["rows"]:
                     t0 = time.perf_counter()
                     llm = LLM(model, policy, loaded=loaded, kv_cache_memory=factor * pool_bytes,
                               max_batch_size=sp.max_batch_size, max_num_batched_tokens=sp.max_num_batched_tokens,
-                              seed=seed, admission=mode, kv_cache_dtype=kv_cache_dtype,
+                              seed=seed, admission=mode, kv_cache_dtype=row_dtype,
                               host_kv_dtype=host_kv_dtype, kv_float_window=kv_float_window)  # fmt: skip
                     progress.set_note(f"{scenario} {name}" + (f" (run {rep + 1}/{repeats})" if repeats > 1 else ""))
                     runs_of[name].append(run_engine_stream(llm, requests))
@@ -404,7 +487,7 @@ def run_throughput(
                     log(f"{scenario} {name}: {m['requests_per_s']:.3f} req/s, {m['output_tokens_per_s']:.1f} tok/s, "
                         f"mean running {m['mean_running']:.1f}, ttft p50 {m['ttft_p50_s']:.1f}s, preemptions "
                         f"{m['preemptions']} ({time.perf_counter() - t0:.0f}s)")  # fmt: skip
-            quality_ref, speed_ref = _reference_rows(st["rows"])
+            quality_ref, speed_ref = _reference_rows(st["rows"], kv_cache_dtype)
             reference = results[quality_ref]
             full_rates = [r.metrics["requests_per_s"] for r in runs_of[speed_ref]]
             section: dict[str, Any] = {"policies": {}, "quality_reference": quality_ref, "speed_reference": speed_ref,

@@ -80,9 +80,15 @@ def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dic
             lines += [f"vs full: against `{sec['speed_reference']}`; quality against `{sec['quality_reference']}`.", ""]
         lines += [_interval_line(sec), ""]
         lines += [
+            "KV %: resident tokens over full's; KV bytes %: their bytes at the row's KV dtype over full's at the "
+            "model's dtype (every row's pool has the same bytes: a quantised one holds more tokens).",
+            "",
+        ]
+        lines += [
                   "| policy | req/s | vs full | out tok/s | mean running | TTFT p50 s | TTFT p99 s | latency p50 s | "
-                  "latency p99 s | preemptions | peak pool % | KV % | ROUGE-L vs full | exact vs full |",
-                  "|:---|" + "---:|" * 13]  # fmt: skip
+                  "latency p99 s | preemptions | peak pool % | KV % | KV bytes % | ROUGE-L vs full | exact vs full | "
+                  "KV dtype | pool tokens |",
+                  "|:---|" + "---:|" * 14 + ":---|---:|"]  # fmt: skip
         rows = dict(sec["policies"])
         if "hf_static" in sec:
             rows["hf_static"] = sec["hf_static"]
@@ -91,6 +97,7 @@ def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dic
             ratio = m["requests_per_s"] / full_rps if full_rps else None
             peak = m.get("peak_pool_usage")
             kvf = m.get("kv_fraction_mean")
+            kvb = m.get("kv_bytes_fraction_mean")
             lines.append(
                 f"| `{name}` | {m['requests_per_s']:.3f}{_ci(m.get('requests_per_s_ci'), '.3f')} | "
                 f"{_fmt(ratio, '.2f')}x{_ci(m.get('requests_per_s_vs_full_ci'), '.2f')} | "
@@ -100,8 +107,10 @@ def write_throughput_report(results: dict[str, Any], out_dir: str | Path) -> dic
                 f"{_fmt(m['latency_p99_s'], '.1f')} | {_fmt(m.get('preemptions'), 'd')} | "
                 f"{_fmt(None if peak is None else 100 * peak, '.0f')} | "
                 f"{_fmt(None if kvf is None else 100 * kvf, '.0f')}{_ci(m.get('kv_fraction_ci'), '.0f', 100)} | "
+                f"{_fmt(None if kvb is None else 100 * kvb, '.0f')}{_ci(m.get('kv_bytes_fraction_ci'), '.0f', 100)} | "
                 f"{_fmt(m.get('rougeL_vs_full'), '.3f')} | "
-                f"{_fmt(m.get('exact_match_vs_full'), '.2f')} |"
+                f"{_fmt(m.get('exact_match_vs_full'), '.2f')} | {m.get('kv_cache_dtype', '')} | "
+                f"{_fmt(m.get('pool_tokens'), 'd')} |"
             )
     lines += ["", f"![requests/s and TTFT]({paths['rates'].name})", ""]
     lines += [f"![running sequences]({paths['running'].name})"]
