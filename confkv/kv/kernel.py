@@ -9,7 +9,8 @@ sliding window) not at all. Sequences x KV heads run in parallel on torch's intr
 Under a float window (``confkv/kv/window.py``) a block with an exact copy is read from the window's arena instead of
 its codes (the rows the torch path's ``FloatWindow.read_into`` overwrites: whole blocks), so ``fp8``/``int4`` with
 ``--kv-float-window`` take the kernel too; the arena must be float32 (a bf16/fp16 model's window keeps the torch
-path).
+path). Each call also returns every query's log-sum-exp (``decode_attention_lse``): a sequence that may recall keeps
+its query and that value to rank host blocks, so a confidence rule's steps take the kernel too.
 
 It is built once per machine with ``torch.utils.cpp_extension.load_inline`` into ``$CONFKV_CACHE/kernels`` (default
 ``~/.cache/confkv/kernels``), with ``-O3 -march=native``: the module's name carries a hash of the source, the flags,
