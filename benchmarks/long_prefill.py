@@ -17,8 +17,8 @@ from common import load, parser, report, setup
 
 from confkv import LLM, SamplingParams
 from confkv.bench.corpus import split_passage
+from confkv.bench.stream_rows import stream_policies
 from confkv.bench.streams import ThroughputSpec
-from confkv.bench.throughput import stream_policies
 from confkv.bench.workloads import render_chat
 
 

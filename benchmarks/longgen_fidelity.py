@@ -30,9 +30,10 @@ import torch
 
 from confkv import LLM, SamplingParams
 from confkv.bench.reference import build_references
+from confkv.bench.stream_rows import is_reference, stream_rows
 from confkv.bench.streams import LONGGEN_CPU, make_longgen_requests
 from confkv.bench.textmetrics import bleu4, rouge_l
-from confkv.bench.throughput import auto_bytes_per_token, is_reference, stream_rows
+from confkv.bench.throughput import auto_bytes_per_token
 from confkv.errors import ConfkvError
 from confkv.model_loader import load_model
 from confkv.scoring import ScoreItem, Scorer

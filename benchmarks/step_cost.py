@@ -40,8 +40,9 @@ from typing import Any
 
 from confkv import LLM
 from confkv.bench.provenance import git_commit
+from confkv.bench.stream_rows import stream_policies
 from confkv.bench.streams import LONGGEN_CPU, pool_bytes_for, stream_requests
-from confkv.bench.throughput import run_engine_stream, stream_policies
+from confkv.bench.throughput import run_engine_stream
 from confkv.config import MIN_BATCHED_TOKENS
 from confkv.engine.engine import LLMEngine
 from confkv.model_loader import load_model

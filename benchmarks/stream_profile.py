@@ -20,8 +20,9 @@ import sys
 import time
 
 from confkv import LLM
+from confkv.bench.stream_rows import stream_policies
 from confkv.bench.streams import LONGGEN_CPU, make_longgen_requests, pool_bytes_for
-from confkv.bench.throughput import run_engine_stream, stream_policies
+from confkv.bench.throughput import run_engine_stream
 from confkv.model_loader import load_model
 
 

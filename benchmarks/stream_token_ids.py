@@ -18,8 +18,9 @@ import json
 import sys
 import time
 
+from confkv.bench.stream_rows import stream_policies
 from confkv.bench.streams import ThroughputSpec, make_requests, pool_bytes_for
-from confkv.bench.throughput import run_engine_stream, stream_policies
+from confkv.bench.throughput import run_engine_stream
 from confkv.llm import LLM
 from confkv.model_loader import load_model
 

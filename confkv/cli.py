@@ -200,8 +200,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
+    from confkv.bench.stream_rows import stream_rows
     from confkv.bench.streams import ThroughputSpec
-    from confkv.bench.throughput import SCENARIOS, run_throughput, stream_rows
+    from confkv.bench.throughput import SCENARIOS, run_throughput
     from confkv.bench.throughput_report import write_throughput_report
 
     policies = [p.strip() for p in (args.policies or "full,dynamic").split(",") if p.strip()]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from confkv.bench.specs import parse_file_row
+from confkv.bench.stream_rows import stream_policies, stream_rows
 from confkv.bench.streams import TINY_LONGGEN
-from confkv.bench.throughput import stream_policies, stream_rows
 from confkv.cli import main
 from confkv.errors import ConfkvError
 

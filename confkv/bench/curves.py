@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from confkv.bench.provenance import git_commit
+from confkv.bench.stream_rows import stream_policies
 from confkv.bench.streams import ThroughputSpec, default_spec, make_longgen_requests, pool_bytes_for
 from confkv.bench.textmetrics import bleu4, rouge_l
-from confkv.bench.throughput import collect_finished, stream_policies
+from confkv.bench.throughput import collect_finished
 from confkv.engine.params import SamplingParams
 from confkv.llm import LLM
 from confkv.model_loader import load_model
