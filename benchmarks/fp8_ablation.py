@@ -1,0 +1,116 @@
+"""Where fp8's perplexity cost comes from: keys or values, the scale or the mantissa. Fake quantisation in a float pool.
+
+    python benchmarks/fp8_ablation.py --modes fp8,fp8_k,fp8_v,m3,m4,m5,int8
+
+Issue 35 asks ``fp8`` to stay within +0.2% of ``auto``'s perplexity; without a float window it measures about +0.4%.
+This script asks whether another scale or a rotation could get there, on the quick suite's held-out prose scored
+under ``full`` as ``benchmarks/kv_dtypes.py`` scores it, with the pool's ``store`` wrapped so that what it writes has
+been rounded and restored (the pool stays float, so only the rounding differs from ``auto``; unlike the engine's fp8
+pool, a prompt's first chunk also attends to rounded keys, so the costs here are somewhat larger). Modes:
+
+* ``fp8``: keys and values through the engine's fp8 codec (e4m3, a scale per token and KV head that maps the row's
+  largest magnitude to 448 exactly); ``fp8_k`` / ``fp8_v``: only one half (the other exact).
+* ``mN``: both rounded to N mantissa bits with an unbounded exponent (round to nearest even): a float format of N
+  mantissa bits with no range limits and no scale (``m3`` is e4m3 without its range).
+* ``int8``, ``int4``: the engine's per-token codecs (``int4`` here without keys per channel).
+* A suffix ``_rot`` rounds the keys in a Hadamard-rotated basis of the head dimension and rotates them back
+  (QuaRot's remedy for outlier channels; values as without it).
+
+A measurement aid, not the engine's path: ``benchmarks/kv_dtypes.py`` measures ``kv_cache_dtype`` itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from common import load, parser, report, setup
+from kv_dtypes import perplexity
+
+from confkv.bench.evaluator import build_workloads
+from confkv.bench.specs import suite_spec
+from confkv.kv.pool import BlockPool
+from confkv.kv.quant import Fp8Codec, Int4Codec, Int8Codec, KVCodec
+
+_STORE = BlockPool.store
+
+
+def mantissa_round(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` rounded to ``bits`` mantissa bits (plus the implicit one), exponent unbounded."""
+    m, e = torch.frexp(x.float())  # m in [0.5, 1): its first bit is the implicit one
+    step = float(2 ** (bits + 1))
+    return torch.ldexp(torch.round(m * step) / step, e).to(x.dtype)
+
+
+def _codec_round(codec: KVCodec, x: torch.Tensor) -> torch.Tensor:
+    return codec.decode(codec.encode(x), x.dtype)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of order ``n`` (a power of two)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n**0.5
+
+
+def rotated(f):
+    """``f`` applied in a Hadamard-rotated basis of the head dimension: an outlier channel's size is spread over
+    every channel, so no single coordinate carries most of ``q . k`` (QuaRot, 2024); orthonormal, so exact back."""
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        h = hadamard(x.shape[-1]).to(x.dtype)
+        return f(x @ h) @ h.T
+
+    return g
+
+
+def rounder(mode: str):
+    """The function applied to K and V (``None``: left exact) for ``mode``."""
+    if mode.startswith("m") and mode[1:].isdigit():
+        bits = int(mode[1:])
+        f = lambda x: mantissa_round(x, bits)  # noqa: E731
+        return f, f
+    rot = mode.endswith("_rot")
+    base = mode.removesuffix("_rot")
+    codecs = {"fp8": Fp8Codec(), "fp8_k": Fp8Codec(), "fp8_v": Fp8Codec(), "int8": Int8Codec(), "int4": Int4Codec()}
+    if base not in codecs:
+        raise SystemExit(f"unknown mode {mode!r}: fp8, fp8_k, fp8_v, int8, int4 (each optionally _rot) or mN")
+    f = lambda x, c=codecs[base]: _codec_round(c, x)  # noqa: E731
+    fk = rotated(f) if rot else f
+    return (None if base == "fp8_v" else fk), (None if base == "fp8_k" else f)
+
+
+def fake_store(mode: str):
+    round_k, round_v = rounder(mode)
+
+    def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        _STORE(pool, layer, slots, round_k(k) if round_k else k, round_v(v) if round_v else v)
+
+    return store
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--modes", default="fp8,fp8_k,fp8_v,m3,m4,m5,int8")
+    args = p.parse_args()
+    device, env = setup(args)
+    loaded = load(args, device)
+    items = build_workloads(loaded.tokenizer, suite_spec(args.model, "quick"), "heldout", 0).prose
+    t0 = time.perf_counter()
+    base, n, _, _ = perplexity(args, loaded, "auto", items)
+    result: dict = {**env, "ppl_tokens": n, "auto_ppl": base}
+    try:
+        for mode in filter(None, args.modes.split(",")):
+            BlockPool.store = fake_store(mode)
+            ppl, _, _, _ = perplexity(args, loaded, "auto", items)
+            result[f"{mode}_ppl"] = ppl
+            result[f"{mode}_ppl_delta_pct"] = 100 * (ppl / base - 1)
+    finally:
+        BlockPool.store = _STORE
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    report(args, result)
+
+
+if __name__ == "__main__":
+    main()

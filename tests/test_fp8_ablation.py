@@ -1,0 +1,48 @@
+"""``benchmarks/fp8_ablation.py`` (issue 35): its roundings are the formats they name, and the script runs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ablation() -> ModuleType:
+    """The script as a module (it imports its siblings, so ``benchmarks/`` is on the path only while it loads)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module("fp8_ablation")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_three_mantissa_bits_round_as_e4m3_in_its_normal_range() -> None:
+    mantissa_round = ablation().mantissa_round
+    x = torch.randn(4096) * 20
+    x = x[(x.abs() > 2**-6) & (x.abs() < 448)]
+    assert torch.equal(mantissa_round(x, 3), x.to(torch.float8_e4m3fn).float())
+    assert torch.equal(mantissa_round(x, 23), x)  # float32's own mantissa: nothing to round
+
+
+def test_rotation_is_orthonormal_and_undone() -> None:
+    mod = ablation()
+    h = mod.hadamard(64)
+    assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6)
+    x = torch.randn(5, 3, 64)
+    assert torch.allclose(mod.rotated(lambda y: y)(x), x, atol=1e-5)
+
+
+def test_runs_on_tiny_random() -> None:
+    run = [sys.executable, str(ROOT / "benchmarks/fp8_ablation.py"), "--model", "tiny-random",
+           "--modes", "fp8,m23,fp8_k_rot", "--json", "--threads", "1"]  # fmt: skip
+    out = json.loads(subprocess.run(run, check=True, capture_output=True, text=True, cwd=ROOT).stdout)
+    assert abs(out["m23_ppl"] - out["auto_ppl"]) < 1e-6 * out["auto_ppl"]  # no rounding, the same perplexity
+    assert out["fp8_ppl"] != out["auto_ppl"]
+    assert set(out) >= {"fp8_ppl_delta_pct", "fp8_k_rot_ppl_delta_pct"}
