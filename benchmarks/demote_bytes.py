@@ -43,8 +43,6 @@ from confkv.bench.memory import token_bytes
 from confkv.bench.passkey import passkey_item
 from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
 
-POOL = 256 << 20
-
 
 def held(outs, auto_bpt: int) -> dict[str, float]:
     """Peak bytes held (resident plus demoted copies) over full's at auto (every token), and the mean resident
@@ -68,6 +66,7 @@ def main() -> None:
     p.add_argument("--depths", default="0.1,0.5")
     p.add_argument("--seeds", default="11,12")
     p.add_argument("--prose-items", type=int, default=None, help="at most this many of the suite's prose items")
+    p.add_argument("--kv-cache-memory", default="256MiB", help="each engine's pool (long texts: room for all at once)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the engine's tokens per step, every row")
     p.add_argument(
         "--match",
@@ -97,8 +96,8 @@ def main() -> None:
     full_mean: dict[str, float] = {}  # full@auto's mean resident bytes per workload
 
     def run(name: str, policy, kv_cache_dtype: str, workloads: tuple[str, ...] = ("prose", "passkey")) -> dict:
-        llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=POOL,
-                  max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+        llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
         row: dict = result.setdefault(name, {"kv_cache_dtype": kv_cache_dtype})
         row["max_num_batched_tokens"] = llm.engine.scheduler.max_num_batched_tokens  # what the engine was given
         if "prose" in workloads:
