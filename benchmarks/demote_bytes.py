@@ -18,8 +18,16 @@ baselines at a dtype other than the pool's.
 
 Rows: ``full`` at ``auto`` and at the pool dtype; the suite's scaled ``dynamic`` (sizes times ``--scale``) at the pool
 dtype, evicting and with ``--demote``; then each of ``--baselines`` at each of ``--baseline-dtypes``, with a token
-budget that buys, at that dtype, the peak bytes the demoting ``dynamic`` held on that workload (rounded up to a
-block): the memory one must provision for it.
+budget that buys, at that dtype, the peak bytes the demoting ``dynamic`` held on that workload: the memory one must
+provision for it. ``--match budget`` makes that the baseline's budget (rounded up to a block), although a fixed
+policy holds more than its budget while it reads a step: the prompt chunk on the pass keys, a forced chunk of
+``compact_interval`` tokens on the prose. ``--match peak`` subtracts that step from the budget (rounded down to a
+block), so the baseline's own peak does not exceed the demoting run's.
+
+``--max-num-batched-tokens`` is the engine's tokens per step (``LLM(max_num_batched_tokens=...)``, default 512), the
+same for every row: a pass-key prompt is read in chunks of at most that many tokens, and an evicting policy holds its
+``max_size`` plus one chunk before it trims, which is part of every row's peak. Prose is scored from its first token
+(forced chunks of ``compact_interval``), so its peak does not depend on it.
 """
 
 from __future__ import annotations
@@ -34,8 +42,6 @@ from confkv.bench.evaluator import build_workloads
 from confkv.bench.memory import token_bytes
 from confkv.bench.passkey import passkey_item
 from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
-
-POOL = 256 << 20
 
 
 def held(outs, auto_bpt: int) -> dict[str, float]:
@@ -59,12 +65,21 @@ def main() -> None:
     p.add_argument("--length", type=int, default=1500)
     p.add_argument("--depths", default="0.1,0.5")
     p.add_argument("--seeds", default="11,12")
+    p.add_argument("--prose-items", type=int, default=None, help="at most this many of the suite's prose items")
+    p.add_argument("--kv-cache-memory", default="256MiB", help="each engine's pool (long texts: room for all at once)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the engine's tokens per step, every row")
+    p.add_argument(
+        "--match",
+        choices=("budget", "peak"),
+        default="budget",
+        help="baseline budget: the demoting run's peak bytes, or that less the step read over the budget",
+    )
     args = p.parse_args()
     device, env = setup(args)
     loaded = load(args, device)
     t_start = time.perf_counter()
     spec = suite_spec(args.model, args.suite)
-    prose = build_workloads(loaded.tokenizer, spec, "heldout", 0).prose
+    prose = build_workloads(loaded.tokenizer, spec, "heldout", 0).prose[: args.prose_items]
     keys = [
         passkey_item(loaded.tokenizer, args.length, float(d), int(s))
         for d in args.depths.split(",")
@@ -74,13 +89,17 @@ def main() -> None:
     bs = dynamic.block_size
     auto_bpt = token_bytes(loaded, "auto", bs)
     result: dict = {**env, "suite": args.suite, "prose_items": len(prose), "passkey_items": len(keys),
+                    "passkey_length": args.length, "max_num_batched_tokens": args.max_num_batched_tokens,
+                    "match": args.match,
                     "dynamic": {k: getattr(dynamic, k) for k in ("base_size", "max_size", "min_recent")}}  # fmt: skip
     full_right: dict[str, list[bool]] = {}  # full@auto's answers, the first run's
     full_mean: dict[str, float] = {}  # full@auto's mean resident bytes per workload
 
     def run(name: str, policy, kv_cache_dtype: str, workloads: tuple[str, ...] = ("prose", "passkey")) -> dict:
-        llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=POOL)
+        llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
         row: dict = result.setdefault(name, {"kv_cache_dtype": kv_cache_dtype})
+        row["max_num_batched_tokens"] = llm.engine.scheduler.max_num_batched_tokens  # what the engine was given
         if "prose" in workloads:
             scored = llm.score([list(it.prompt_ids) for it in prose], [max(1, it.score_from or 1) for it in prose])
             nll = [float(-lp) for r in scored for lp in r.token_logprobs]
@@ -114,10 +133,14 @@ def main() -> None:
     for dtype in filter(None, args.baseline_dtypes.split(",")):
         bpt = token_bytes(loaded, dtype, bs)
         budgets = {}
+        step = {"prose": dynamic.compact_interval, "passkey": args.max_num_batched_tokens}  # read over the budget
         for workload in ("prose", "passkey"):
             held_peak = demoting[f"{workload}_peak_bytes_vs_full_auto"] * demoting[f"mean_{workload}_tokens"] * auto_bpt
             tokens = held_peak / bpt
-            budgets[workload] = max(2 * bs, math.ceil(tokens / bs) * bs)
+            if args.match == "peak":
+                budgets[workload] = max(2 * bs, math.floor((tokens - step[workload]) / bs) * bs)
+            else:
+                budgets[workload] = max(2 * bs, math.ceil(tokens / bs) * bs)
         for name in filter(None, args.baselines.split(",")):
             for workload, budget in budgets.items():  # each workload its own budget, so its own engine
                 row = run(f"{name}@{dtype}", baseline_policy(dynamic, name, budget), dtype, (workload,))
