@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -296,8 +297,9 @@ def main() -> None:
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     try:  # a bad entry or dtype is one line before the model loads
         chosen = chosen_rows(names, args.policy_file, spec, args.kv_cache_dtype)
-    except ConfkvError as err:
-        raise SystemExit(f"step_cost.py: {err}") from None
+    except ConfkvError as err:  # exit 2, as the throughput suite and the fidelity script refuse an entry
+        print(f"step_cost.py: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     loaded = load_model(args.model, device="cpu")
     requests = stream_requests(loaded.tokenizer, spec)
     pool = pool_bytes_for(loaded, spec, chosen[0].policy.block_size)
