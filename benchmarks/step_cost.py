@@ -4,6 +4,11 @@
     python benchmarks/step_cost.py --policies snapkv@144 \
         --policy-file docs/bench/policies/dynamic-128-512-decayed-r75-d98-per-token-stale.yaml \
         --json docs/bench/headline-longgen/step-cost.json --md docs/bench/headline-longgen/step-cost.md
+    python benchmarks/step_cost.py --policies full:int8,snapkv@320:int8 --policy-file RULE.yaml:int8 ...
+
+Rows are chosen as the throughput suite chooses them (``confkv/bench/stream_rows.py``): an entry may name its pool's
+KV dtype (``snapkv@320:int8``, ``--policy-file PATH:int8``), ``--kv-cache-dtype`` is the dtype of the rows that name
+none, and every pool has the same bytes (sized for ``full`` at the model's dtype), so an int8 row holds more tokens.
 
 The throughput suite's own stream and loop (``run_engine_stream``), at the operating point of the headline
 (``--requests`` of the CPU long-generation stream, the pool of ``--full-fits`` copies of its longest request under
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -40,16 +46,18 @@ from typing import Any
 
 from confkv import LLM
 from confkv.bench.provenance import git_commit
-from confkv.bench.stream_rows import stream_policies
-from confkv.bench.streams import LONGGEN_CPU, pool_bytes_for, stream_requests
+from confkv.bench.specs import parse_dtype_suffix
+from confkv.bench.stream_rows import StreamRow, is_reference, stream_rows
+from confkv.bench.streams import LONGGEN_CPU, ThroughputSpec, pool_bytes_for, stream_requests
 from confkv.bench.throughput import run_engine_stream
 from confkv.config import MIN_BATCHED_TOKENS
 from confkv.engine.engine import LLMEngine
+from confkv.errors import ConfkvError
 from confkv.model_loader import load_model
 
 PARTS = ("forward", "commit", "decode", "recall_score", "copy_in", "evict_score", "copy_out", "other")
 COUNTS = ("running", "generated", "rerun_tokens", "reruns", "prompt_tokens", "recalled_blocks", "evicted_blocks",
-          "padded_keys", "valid_keys", "decode_rows")  # fmt: skip
+          "padded_keys", "valid_keys", "decode_rows", "left_out", "rerun_steps")  # fmt: skip
 
 
 class StepClock:
@@ -91,6 +99,8 @@ def instrument(engine: LLMEngine, clock: StepClock) -> None:
                 cur["reruns"] += 1
             elif ch.start < ch.seq.num_prompt_tokens:
                 cur["prompt_tokens"] += ch.num_tokens
+        cur["chunks"] += len(chunks)
+        cur["rerun_steps"] = 1.0 if cur["reruns"] else 0.0
         batch = res.batch
         if batch.num_decode:  # the keys attended: the padded batch's
             cur["decode_rows"] += batch.num_decode
@@ -119,6 +129,8 @@ def instrument(engine: LLMEngine, clock: StepClock) -> None:
         cur["total"] = total
         cur["other"] = total - sum(cur[p] for p in PARTS if p != "other")
         cur["running"] = len(engine.scheduler.running) + sum(1 for o in outputs if o.finished)
+        # running sequences given no row this step: a second pass (or a prompt chunk) took the step's tokens
+        cur["left_out"] = max(0.0, cur["running"] - cur.pop("chunks", 0.0))
         cur["generated"] = sum(len(o.new_token_ids) for o in outputs)
         cur["recalled_blocks"] = manager.recalled_blocks - recalled
         cur["evicted_blocks"] = manager.evicted_blocks - evicted
@@ -145,6 +157,16 @@ def summarise(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "ms": 1000 * totals["total"] / gen,
     }
     out["padding_share"] = 1 - totals["valid_keys"] / max(1.0, totals["padded_keys"])
+    out["seconds_by_part"] = {k: totals[k] for k in ("total", *PARTS)}
+    with_rerun = [s for s in steps if s.get("reruns")]
+    out["rerun_steps"] = {  # the steps that ran a second pass, against the others
+        "steps": len(with_rerun),
+        "ms": 1000 * sum(s["total"] for s in with_rerun) / max(1, len(with_rerun)),
+        "generated": sum(s.get("generated", 0.0) for s in with_rerun) / max(1, len(with_rerun)),
+        "other_steps_ms": 1000 * (totals["total"] - sum(s["total"] for s in with_rerun)) / max(1, n - len(with_rerun)),
+        "other_steps_generated": (totals["generated"] - sum(s.get("generated", 0.0) for s in with_rerun))
+        / max(1, n - len(with_rerun)),
+    }
     out["totals"] = {k: totals[k] for k in COUNTS if k != "running"}
     return out
 
@@ -187,6 +209,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"`{result['commit']}`)", "", "## The whole run", "",
              "| | " + " | ".join(f"`{n}`" for n in names) + " |", "|:---|" + "---:|" * len(names)]  # fmt: skip
     rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("KV dtype (pool tokens)", lambda r: f"{r['kv_cache_dtype']} ({r['pool_tokens']:,})"),
         ("steps", lambda r: f"{r['steps']:,}"),
         ("makespan s", lambda r: f"{r['makespan_s']:.1f}"),
         ("mean step ms", lambda r: f"{r['per_step_ms']['total']:.1f}"),
@@ -199,9 +222,17 @@ def markdown(result: dict[str, Any]) -> str:
         ("recalled blocks per step", lambda r: f"{r['per_step']['recalled_blocks']:.2f}"),
         ("evicted blocks per step", lambda r: f"{r['per_step']['evicted_blocks']:.2f}"),
         ("decode attention on padding", lambda r: f"{100 * r['padding_share']:.0f}%"),
+        ("running rows left out per step", lambda r: f"{r['per_step']['left_out']:.2f}"),
+        ("steps with a second pass", lambda r: f"{r['rerun_steps']['steps']:,}"),
+        ("ms, generated per step with a second pass",
+         lambda r: f"{r['rerun_steps']['ms']:.1f}, {r['rerun_steps']['generated']:.2f}"),
+        ("ms, generated per step without one",
+         lambda r: f"{r['rerun_steps']['other_steps_ms']:.1f}, {r['rerun_steps']['other_steps_generated']:.2f}"),
         ("ms per generated token", lambda r: f"{r['per_generated_token']['ms']:.2f}"),
         ("requests/s", lambda r: f"{r['requests_per_s']:.3f}"),
     ]  # fmt: skip
+    rows += [(f"{part} s (whole run)", lambda r, part=part: f"{r['seconds_by_part'][part]:.1f}")
+             for part in ("total", *PARTS)]  # fmt: skip
     for label, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt(result["policies"][n]) for n in names) + " |")
     m = result["matched"]
@@ -214,19 +245,36 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append("| steps | " + " | ".join(f"{p['steps']:,}" for p in pol.values()) + " |")
     for part in ("total", *PARTS):
         lines.append(f"| {part} ms | " + " | ".join(f"{p['per_step_ms'][part]:.1f}" for p in pol.values()) + " |")
-    for count in ("running", "generated", "reruns", "rerun_tokens", "recalled_blocks", "evicted_blocks",
-                  "valid_keys", "padded_keys"):  # fmt: skip
+    for count in ("running", "generated", "reruns", "rerun_tokens", "rerun_steps", "left_out", "recalled_blocks",
+                  "evicted_blocks", "valid_keys", "padded_keys"):  # fmt: skip
         lines.append(f"| {count} | " + " | ".join(f"{p['per_step'][count]:.2f}" for p in pol.values()) + " |")
     lines.append("| decode attention on padding | " + " | ".join(
         f"{100 * p['padding_share']:.0f}%" for p in pol.values()) + " |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
+def chosen_rows(
+    names: list[str], policy_files: list[str], spec: ThroughputSpec, kv_cache_dtype: str
+) -> list[StreamRow]:
+    """The throughput suite's rows for these entries, less the reference ``full`` that ``stream_rows`` adds when
+    no entry asked for it (this benchmark compares steps, not quality)."""
+    parse_dtype_suffix([kv_cache_dtype], f"--kv-cache-dtype {kv_cache_dtype}")
+    rows = stream_rows(names, policy_files, spec, kv_cache_dtype)
+    return [r for r in rows if not (is_reference(r, kv_cache_dtype) and r.name == "full" and "full" not in names)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--policies", default="snapkv@144", help="built-in policies at the stream's sizes, comma-separated")
-    ap.add_argument("--policy-file", action="append", default=[], help="also a YAML policy")
+    ap.add_argument(
+        "--policies", default="snapkv@144",
+        help="built-in policies at the stream's sizes, comma-separated: POLICY[@SIZE][:KV_DTYPE] (snapkv@320:int8)",
+    )  # fmt: skip
+    ap.add_argument("--policy-file", action="append", default=[], help="also a YAML policy, PATH[:KV_DTYPE]")
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="the pool's KV dtype for rows that name none (auto, int8, fp8, int4); every pool has full's bytes",
+    )  # fmt: skip
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--full-fits", type=int, default=LONGGEN_CPU.full_fits)
     ap.add_argument("--max-batch-size", type=int, default=32)
@@ -246,24 +294,31 @@ def main() -> None:
     spec = dataclasses.replace(LONGGEN_CPU, requests=args.requests, full_fits=args.full_fits,
                                max_batch_size=args.max_batch_size,
                                max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    try:  # a bad entry or dtype is one line before the model loads
+        chosen = chosen_rows(names, args.policy_file, spec, args.kv_cache_dtype)
+    except ConfkvError as err:  # exit 2, as the throughput suite and the fidelity script refuse an entry
+        print(f"step_cost.py: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     loaded = load_model(args.model, device="cpu")
     requests = stream_requests(loaded.tokenizer, spec)
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    pool = pool_bytes_for(loaded, spec, 16)
-    result: dict[str, Any] = {"commit": git_commit(), "settings": {**dataclasses.asdict(spec), "pool_bytes": pool},
-                              "policies": {}}  # fmt: skip
+    pool = pool_bytes_for(loaded, spec, chosen[0].policy.block_size)
+    result: dict[str, Any] = {"commit": git_commit(), "settings": {**dataclasses.asdict(spec), "pool_bytes": pool,
+                              "kv_cache_dtype": args.kv_cache_dtype}, "policies": {}}  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {}
-    for name, policy in stream_policies(names, args.policy_file, spec):
-        if name == "full" and "full" not in names:
-            continue  # the quality reference stream_policies adds
-        llm = LLM(args.model, policy, loaded=loaded, kv_cache_memory=pool, max_batch_size=spec.max_batch_size,
-                  max_num_batched_tokens=spec.max_num_batched_tokens)  # fmt: skip
+    for row in chosen:
+        name = row.name
+        llm = LLM(args.model, row.policy, loaded=loaded, kv_cache_memory=pool, max_batch_size=spec.max_batch_size,
+                  max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_dtype=row.kv_cache_dtype)  # fmt: skip
         clock = StepClock()
         instrument(llm.engine, clock)
         stream = run_engine_stream(llm, requests)
         runs[name] = clock.steps
         result["policies"][name] = {**summarise(clock.steps), "makespan_s": stream.metrics["makespan_s"],
-                                    "requests_per_s": stream.metrics["requests_per_s"]}  # fmt: skip
+                                    "requests_per_s": stream.metrics["requests_per_s"],
+                                    "kv_cache_dtype": stream.metrics["kv_cache_dtype"],
+                                    "pool_tokens": stream.metrics["pool_tokens"],
+                                    "kv_bytes_fraction_mean": stream.metrics["kv_bytes_fraction_mean"]}  # fmt: skip
         r = result["policies"][name]
         print(f"{name}: {r['steps']} steps, {r['per_step_ms']['total']:.1f} ms/step, makespan "
               f"{r['makespan_s']:.1f} s, {r['requests_per_s']:.3f} req/s", flush=True)  # fmt: skip

@@ -1,4 +1,5 @@
-"""The throughput suite and ``benchmarks/longgen_fidelity.py`` with rows at their own KV dtype (issues 34 and 35):
+"""The throughput suite, ``benchmarks/longgen_fidelity.py`` and ``benchmarks/step_cost.py`` with rows at their own
+KV dtype (issues 34 and 35):
 ``snapkv@128:int8`` and ``rule.yaml:int8`` run on a pool of the same bytes as ``full``'s, hold more tokens there,
 and report their memory in bytes beside tokens; ``full`` at the run's dtype stays the reference; a bad dtype is
 one line."""
@@ -128,6 +129,27 @@ def test_a_bad_dtype_row_is_one_line_before_the_model_loads(tmp_path, capsys, en
     fidelity = [sys.executable, str(ROOT / "benchmarks/longgen_fidelity.py"), "--model", "no-such-model", *entry]
     done = subprocess.run(fidelity, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+    steps = [sys.executable, str(ROOT / "benchmarks/step_cost.py"), "--model", "no-such-model", *entry]
+    done = subprocess.run(steps, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+
+
+def test_step_cost_runs_each_row_at_its_dtype_on_the_same_bytes(tmp_path):
+    """``step_cost.py`` takes the suite's dtype rows: ``snapkv@64:int8`` runs on an int8 pool of the bytes the
+    plain row's pool has (so about 3.9 times its tokens), keeps the same tokens, and no reference ``full`` is added."""
+    out = tmp_path / "steps.json"
+    run = [sys.executable, str(ROOT / "benchmarks/step_cost.py"), "--model", "tiny-random", "--requests", "2",
+           "--policies", "snapkv@64,snapkv@64:int8", "--max-num-batched-tokens", "64", "--min-steps", "1",
+           "--json", str(out)]  # fmt: skip
+    subprocess.run(run, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rows = json.loads(out.read_text())["policies"]
+    assert list(rows) == ["snapkv@64", "snapkv@64:int8"]
+    plain, int8 = rows["snapkv@64"], rows["snapkv@64:int8"]
+    assert (plain["kv_cache_dtype"], int8["kv_cache_dtype"]) == ("auto", "int8")
+    assert int8["pool_tokens"] > 3 * plain["pool_tokens"]
+    assert int8["totals"]["generated"] == plain["totals"]["generated"] > 0
+    assert int8["kv_bytes_fraction_mean"] < 0.4 * plain["kv_bytes_fraction_mean"]  # the same tokens in fewer bytes
+    assert int8["totals"]["evicted_blocks"] == plain["totals"]["evicted_blocks"] > 0  # the same blocks leave
 
 
 def test_file_rows_keep_colons_of_their_path_and_one_dtype_benchmarks_refuse_dtype_rows(tmp_path):
