@@ -21,14 +21,12 @@ A measurement aid, not the engine's path: ``benchmarks/kv_dtypes.py`` measures `
 
 from __future__ import annotations
 
-import time
+from functools import partial
 
 import torch
-from common import load, parser, report, setup
-from kv_dtypes import perplexity
+from common import parser
+from int4_ablation import run_ablation
 
-from confkv.bench.evaluator import build_workloads
-from confkv.bench.specs import suite_spec
 from confkv.kv.pool import BlockPool
 from confkv.kv.quant import Fp8Codec, Int4Codec, Int8Codec, KVCodec
 
@@ -94,22 +92,7 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--modes", default="fp8,fp8_k,fp8_v,m3,m4,m5,int8")
     args = p.parse_args()
-    device, env = setup(args)
-    loaded = load(args, device)
-    items = build_workloads(loaded.tokenizer, suite_spec(args.model, "quick"), "heldout", 0).prose
-    t0 = time.perf_counter()
-    base, n, _, _ = perplexity(args, loaded, "auto", items)
-    result: dict = {**env, "ppl_tokens": n, "auto_ppl": base}
-    try:
-        for mode in filter(None, args.modes.split(",")):
-            BlockPool.store = fake_store(mode)
-            ppl, _, _, _ = perplexity(args, loaded, "auto", items)
-            result[f"{mode}_ppl"] = ppl
-            result[f"{mode}_ppl_delta_pct"] = 100 * (ppl / base - 1)
-    finally:
-        BlockPool.store = _STORE
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    report(args, result)
+    run_ablation(args, [(mode, partial(fake_store, mode), False) for mode in filter(None, args.modes.split(","))])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from common import load, parser, report, setup
@@ -98,11 +100,11 @@ def pooled(args, loaded, items) -> float:
     return math.exp(nll / n)
 
 
-def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--modes", default="token,kivi,konly,vonly")
-    p.add_argument("--windows", default="", help="float windows R (tokens, multiples of the block) to measure")
-    args = p.parse_args()
+def run_ablation(args, entries: list[tuple[str, Callable[[], Callable], bool]]) -> None:
+    """Perplexity of ``full`` on the quick suite's held-out prose at ``auto``, then once per entry ``(name, make a
+    store, pooled)`` with ``BlockPool.store`` replaced by that store (``pooled``: each item by its own engine, for
+    stores that follow one sequence); reports ``NAME_ppl`` and ``NAME_ppl_delta_pct``. Shared by the fake
+    quantisation scripts (``fp8_ablation.py`` too)."""
     device, env = setup(args)
     loaded = load(args, device)
     items = build_workloads(loaded.tokenizer, suite_spec(args.model, "quick"), "heldout", 0).prose
@@ -110,20 +112,25 @@ def main() -> None:
     base, n, _, _ = perplexity(args, loaded, "auto", items)
     result: dict = {**env, "ppl_tokens": n, "auto_ppl": base}
     try:
-        for mode in filter(None, args.modes.split(",")):
-            BlockPool.store = fake_store(mode)
-            ppl, _, _, _ = perplexity(args, loaded, "auto", items)
-            result[f"{mode}_ppl"] = ppl
-            result[f"{mode}_ppl_delta_pct"] = 100 * (ppl / base - 1)
-        for window in filter(None, args.windows.split(",")):
-            BlockPool.store = window_store(int(window))
-            ppl = pooled(args, loaded, items)
-            result[f"window{window}_ppl"] = ppl
-            result[f"window{window}_ppl_delta_pct"] = 100 * (ppl / base - 1)
+        for name, make_store, alone in entries:
+            BlockPool.store = make_store()
+            ppl = pooled(args, loaded, items) if alone else perplexity(args, loaded, "auto", items)[0]
+            result[f"{name}_ppl"] = ppl
+            result[f"{name}_ppl_delta_pct"] = 100 * (ppl / base - 1)
     finally:
         BlockPool.store = _STORE
     result["seconds"] = round(time.perf_counter() - t0, 1)
     report(args, result)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--modes", default="token,kivi,konly,vonly")
+    p.add_argument("--windows", default="", help="float windows R (tokens, multiples of the block) to measure")
+    args = p.parse_args()
+    modes = [(mode, partial(fake_store, mode), False) for mode in filter(None, args.modes.split(","))]
+    windows = [(f"window{w}", partial(window_store, int(w)), True) for w in filter(None, args.windows.split(","))]
+    run_ablation(args, modes + windows)
 
 
 if __name__ == "__main__":
