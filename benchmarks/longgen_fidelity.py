@@ -9,9 +9,11 @@ Every figure has a 95% bootstrap interval over requests (1,000 resamples). The m
 held while scoring, as a share of what ``full`` holds, in tokens and in bytes (at the row's KV dtype against
 ``full``'s at the model's dtype). A row may name its pool's dtype as the throughput suite's do
 (``--policies snapkv@128:int8``, ``--policy-file rule.yaml:int8``); ``full:int8`` is then a row of its own.
-``--noise-floor DTYPE`` adds ``full`` itself with the weights and KV in another dtype (row ``full@DTYPE``): what
-the same figures read when only the order and precision of the arithmetic change, the floor under which no policy's
-text can be told from ``full``'s.
+``--paired-against ROW`` adds each other row's KL minus that row's, resampling the same requests for both
+(a paired bootstrap): two rows whose own intervals overlap can still differ on every request, and the
+difference's interval says whether one is worse. ``--noise-floor DTYPE`` adds ``full`` itself with the weights and
+KV in another dtype (row ``full@DTYPE``): what the same figures read when only the order and precision of the
+arithmetic change, the floor under which no policy's text can be told from ``full``'s.
 
     .venv/bin/python benchmarks/longgen_fidelity.py --requests 8 --output-tokens 256,512 --policies dynamic,window
     .venv/bin/python benchmarks/longgen_fidelity.py --policies full:int8,snapkv@128:int8 --policy-file rule.yaml:int8
@@ -57,6 +59,17 @@ def bytes_share(res, auto_per_token: float) -> float:
     return res.kv_fraction * float(res.kv["bytes_per_token"]) / auto_per_token + extra / full_bytes
 
 
+def pooled_mean(per: list[np.ndarray], idx) -> float:
+    """The mean over every token of the requests ``idx`` (a request counts by its length)."""
+    return float(np.concatenate([per[i] for i in idx]).mean())
+
+
+def paired_kl(kl: list[np.ndarray], base: list[np.ndarray]) -> tuple[float, float, float]:
+    """Pooled KL of one row minus another's over the same requests, each resample drawing the same requests for
+    both, so what every request shares (its text, its hard spots) cancels out of the interval."""
+    return interval(kl, lambda idx: pooled_mean(kl, idx) - pooled_mean(base, idx))
+
+
 def quality(
     scored: list, own: list[str], ref_texts: list[str], auto_per_token: float
 ) -> dict[str, tuple[float, float, float]]:
@@ -70,7 +83,7 @@ def quality(
     rouge = [rouge_l([a], [b]) for a, b in zip(own, ref_texts, strict=True)]  # per pair: the mean is ROUGE-L
 
     def pooled(per: list[np.ndarray]):
-        return lambda idx: float(np.concatenate([per[i] for i in idx]).mean())
+        return lambda idx: pooled_mean(per, idx)
 
     return {
         "kl": interval(kl, pooled(kl)),
@@ -93,6 +106,11 @@ def main() -> int:
         "(snapkv@128:int8)",
     )  # fmt: skip
     ap.add_argument("--policy-file", action="append", default=[], help="also a YAML policy, PATH[:KV_DTYPE]")
+    ap.add_argument(
+        "--paired-against", metavar="ROW",
+        help="also each other row's KL minus this row's (a row name as printed, e.g. snapkv@320:int8), with a "
+        "paired bootstrap interval over requests",
+    )  # fmt: skip
     ap.add_argument("--noise-floor", metavar="DTYPE", help="also full with its weights in DTYPE (e.g. bfloat16)")
     ap.add_argument(
         "--max-num-batched-tokens", type=int, default=512,
@@ -128,12 +146,17 @@ def run(args: argparse.Namespace) -> None:
     ref_texts = [o.text for o in answers]
     auto = auto_bytes_per_token(full)
     rows = {}
+    kl_of: dict[str, list[np.ndarray]] = {}
+    scored_rows = [r.name for r in chosen if not is_reference(r, "auto")]
+    if args.paired_against and args.paired_against not in scored_rows:
+        raise ConfkvError(f"--paired-against {args.paired_against!r} is not one of the rows ({', '.join(scored_rows)})")
     for row in chosen:
         if is_reference(row, "auto"):
             continue  # full at auto is the reference itself
         llm = LLM(args.model, row.policy, loaded=loaded, kv_cache_dtype=row.kv_cache_dtype, **chunk)
         scored = Scorer(llm.engine).score([ScoreItem(r.scored_ids, r.score_from, reference=r.topk) for r in refs])
         own = [o.text for o in llm.generate(prompts, params)]
+        kl_of[row.name] = [res.kl.double().numpy() for res in scored]
         rows[row.name] = {"kv_cache_dtype": row.kv_cache_dtype, **quality(scored, own, ref_texts, auto)}
         print(row.name, {k: v if isinstance(v, str) else tuple(round(x, 4) for x in v)
                          for k, v in rows[row.name].items()}, flush=True)  # fmt: skip
@@ -146,6 +169,11 @@ def run(args: argparse.Namespace) -> None:
         rows[name] = {"kv_cache_dtype": "auto", **quality(scored, own, ref_texts, auto)}
         print(name, {k: v if isinstance(v, str) else tuple(round(x, 4) for x in v)
                      for k, v in rows[name].items()}, flush=True)  # fmt: skip
+    if args.paired_against:
+        base = kl_of[args.paired_against]
+        for name in (n for n in kl_of if n != args.paired_against):
+            diff = rows[name][f"kl_minus_{args.paired_against}"] = paired_kl(kl_of[name], base)
+            print(name, "KL minus", args.paired_against, tuple(round(x, 5) for x in diff), flush=True)
     out = {
         "model": args.model,
         "requests": len(prompts),

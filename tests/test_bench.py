@@ -437,7 +437,8 @@ def test_headline_assembles_throughput_and_fidelity_into_one_table(tmp_path, cap
     capsys.readouterr()
     fid = tmp_path / "fidelity.json"
     run = [sys.executable, str(root / "benchmarks/longgen_fidelity.py"), "--model", "tiny-random", "--requests", "2",
-           "--output-tokens", "8,12", "--policies", "dynamic,h2o@32", "--json"]  # fmt: skip
+           "--output-tokens", "8,12", "--policies", "dynamic,h2o@32", "--paired-against", "h2o@32",
+           "--json"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root)}
     fid.write_text(subprocess.run(run, capture_output=True, text=True, check=True, env=env, cwd=root).stdout)
     head = [sys.executable, str(root / "benchmarks/headline.py"), "--throughput", str(out / "results.json"),
@@ -452,11 +453,16 @@ def test_headline_assembles_throughput_and_fidelity_into_one_table(tmp_path, cap
     assert dyn["requests_per_s"] == [tp["dynamic"]["requests_per_s"], *tp["dynamic"]["requests_per_s_ci"]]
     assert dyn["kv_share"] == [tp["dynamic"]["kv_fraction_mean"], *tp["dynamic"]["kv_fraction_ci"]]
     assert dyn["kl"] == fidelity["dynamic"]["kl"] and dyn["bleu4_vs_full"] == fidelity["dynamic"]["bleu4_vs_full"]
+    diff, lo, hi = fidelity["dynamic"]["kl_minus_h2o@32"]  # paired: the same requests drawn for both rows
+    assert abs(diff - (fidelity["dynamic"]["kl"][0] - fidelity["h2o@32"]["kl"][0])) < 1e-9 and lo <= diff <= hi
+    assert "kl_minus_h2o@32" not in fidelity["h2o@32"]
     assert rows["full"]["reference_of_speed"] and rows["full"]["kl"][0] == 0.0
     assert "requests_per_s" not in rows["h2o@32"] and rows["h2o@32"]["kl"] == fidelity["h2o@32"]["kl"]
     png = tmp_path / "frontier.png"  # the frontier plot beside the table
     md = subprocess.run([*head, "--plot", str(png)], capture_output=True, text=True, check=True, cwd=root).stdout
     assert png.read_bytes().startswith(b"\x89PNG")
     assert "| `full` |" in md and "1.00x (reference)" in md and f"| `dynamic` | {dyn['kv_share'][0]:.2f} [" in md
+    unknown = subprocess.run([*run[:-2], "nope", "--json"], capture_output=True, text=True, env=env, cwd=root)
+    assert unknown.returncode == 2 and "--paired-against 'nope' is not one of the rows" in unknown.stderr
     bad = subprocess.run([*head[:2], "--fidelity", str(tmp_path / "none.json")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not a file" in bad.stderr
