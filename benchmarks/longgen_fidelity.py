@@ -9,7 +9,7 @@ Every figure has a 95% bootstrap interval over requests (1,000 resamples). The m
 held while scoring, as a share of what ``full`` holds, in tokens and in bytes (at the row's KV dtype against
 ``full``'s at the model's dtype). A row may name its pool's dtype as the throughput suite's do
 (``--policies snapkv@128:int8``, ``--policy-file rule.yaml:int8``); ``full:int8`` is then a row of its own.
-``--paired-against ROW`` adds each other row's KL minus that row's, resampling the same requests for both
+``--paired-against ROW[,ROW...]`` adds each other row's KL minus that row's, resampling the same requests for both
 (a paired bootstrap): two rows whose own intervals overlap can still differ on every request, and the
 difference's interval says whether one is worse. ``--noise-floor DTYPE`` adds ``full`` itself with the weights and
 KV in another dtype (row ``full@DTYPE``): what the same figures read when only the order and precision of the
@@ -107,9 +107,9 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument("--policy-file", action="append", default=[], help="also a YAML policy, PATH[:KV_DTYPE]")
     ap.add_argument(
-        "--paired-against", metavar="ROW",
-        help="also each other row's KL minus this row's (a row name as printed, e.g. snapkv@320:int8), with a "
-        "paired bootstrap interval over requests",
+        "--paired-against", metavar="ROW[,ROW]", default="",
+        help="also each other row's KL minus each of these rows' (row names as printed, e.g. snapkv@320:int8), "
+        "with a paired bootstrap interval over requests",
     )  # fmt: skip
     ap.add_argument("--noise-floor", metavar="DTYPE", help="also full with its weights in DTYPE (e.g. bfloat16)")
     ap.add_argument(
@@ -148,8 +148,10 @@ def run(args: argparse.Namespace) -> None:
     rows = {}
     kl_of: dict[str, list[np.ndarray]] = {}
     scored_rows = [r.name for r in chosen if not is_reference(r, "auto")]
-    if args.paired_against and args.paired_against not in scored_rows:
-        raise ConfkvError(f"--paired-against {args.paired_against!r} is not one of the rows ({', '.join(scored_rows)})")
+    bases = [b.strip() for b in args.paired_against.split(",") if b.strip()]
+    for b in bases:
+        if b not in scored_rows:
+            raise ConfkvError(f"--paired-against {b!r} is not one of the rows ({', '.join(scored_rows)})")
     for row in chosen:
         if is_reference(row, "auto"):
             continue  # full at auto is the reference itself
@@ -169,11 +171,10 @@ def run(args: argparse.Namespace) -> None:
         rows[name] = {"kv_cache_dtype": "auto", **quality(scored, own, ref_texts, auto)}
         print(name, {k: v if isinstance(v, str) else tuple(round(x, 4) for x in v)
                      for k, v in rows[name].items()}, flush=True)  # fmt: skip
-    if args.paired_against:
-        base = kl_of[args.paired_against]
-        for name in (n for n in kl_of if n != args.paired_against):
-            diff = rows[name][f"kl_minus_{args.paired_against}"] = paired_kl(kl_of[name], base)
-            print(name, "KL minus", args.paired_against, tuple(round(x, 5) for x in diff), flush=True)
+    for b in bases:
+        for name in (n for n in kl_of if n != b):
+            diff = rows[name][f"kl_minus_{b}"] = paired_kl(kl_of[name], kl_of[b])
+            print(name, "KL minus", b, tuple(round(x, 5) for x in diff), flush=True)
     out = {
         "model": args.model,
         "requests": len(prompts),

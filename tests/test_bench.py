@@ -437,7 +437,7 @@ def test_headline_assembles_throughput_and_fidelity_into_one_table(tmp_path, cap
     capsys.readouterr()
     fid = tmp_path / "fidelity.json"
     run = [sys.executable, str(root / "benchmarks/longgen_fidelity.py"), "--model", "tiny-random", "--requests", "2",
-           "--output-tokens", "8,12", "--policies", "dynamic,h2o@32", "--paired-against", "h2o@32",
+           "--output-tokens", "8,12", "--policies", "dynamic,h2o@32", "--paired-against", "h2o@32,dynamic",
            "--json"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root)}
     fid.write_text(subprocess.run(run, capture_output=True, text=True, check=True, env=env, cwd=root).stdout)
@@ -455,7 +455,8 @@ def test_headline_assembles_throughput_and_fidelity_into_one_table(tmp_path, cap
     assert dyn["kl"] == fidelity["dynamic"]["kl"] and dyn["bleu4_vs_full"] == fidelity["dynamic"]["bleu4_vs_full"]
     diff, lo, hi = fidelity["dynamic"]["kl_minus_h2o@32"]  # paired: the same requests drawn for both rows
     assert abs(diff - (fidelity["dynamic"]["kl"][0] - fidelity["h2o@32"]["kl"][0])) < 1e-9 and lo <= diff <= hi
-    assert "kl_minus_h2o@32" not in fidelity["h2o@32"]
+    assert "kl_minus_h2o@32" not in fidelity["h2o@32"] and "kl_minus_dynamic" not in fidelity["dynamic"]
+    assert fidelity["h2o@32"]["kl_minus_dynamic"][0] == -diff
     assert rows["full"]["reference_of_speed"] and rows["full"]["kl"][0] == 0.0
     assert "requests_per_s" not in rows["h2o@32"] and rows["h2o@32"]["kl"] == fidelity["h2o@32"]["kl"]
     png = tmp_path / "frontier.png"  # the frontier plot beside the table
