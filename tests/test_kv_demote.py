@@ -118,7 +118,7 @@ def test_a_demoting_window_stays_closer_to_full_than_an_evicting_one() -> None:
         kl[demote], demoted[demote] = float(r.kl.mean()), r.kv["demoted_peak_bytes"]
         assert r.kv["evicted_blocks"] > 20 and r.kv["peak_resident_tokens"] <= 100
         assert llm.engine.stats()["demoted_used_bytes"] == 0  # the finished sequence's copies are gone
-    # measured: 1.94 nats evicting, 0.076 at int4, 0.90 at int2
+    # measured: 1.94 nats evicting, 0.045 at int4 (0.076 with one int4 grid a row, before 2026-12-07), 0.90 at int2
     assert kl["int4"] < 0.1 * kl["none"] and kl["int2"] < 0.6 * kl["none"] and kl["int4"] < kl["int2"]
     assert demoted["none"] == 0 and 0 < demoted["int2"] < demoted["int4"]
 
