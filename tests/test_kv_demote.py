@@ -3,7 +3,9 @@
 By construction: a pass key (a key one query head looks up, its value distinct) placed in a block the budget evicts
 is lost to plain eviction and still found, within int4's error, when the block is demoted. On tiny-random text a
 demoting ``window`` stays far closer to ``full`` than the same window evicting. A recall brings the block back at
-the pool's precision and drops its demoted copy."""
+the pool's precision and drops its demoted copy. ``int4`` copies are in the pool's int4 layout (keys per channel
+within the block, values in groups of 32): they round-trip within those codecs' stated error, and the bytes counted
+are the rows held."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from confkv.engine.runner import ModelRunner
 from confkv.errors import ConfkvError
 from confkv.kv.attention import PackedBatch, confkv_attention
 from confkv.kv.block_table import ON_HOST
+from confkv.kv.demoted import DemotedTier
 from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
+from confkv.kv.quant import ChannelKeyCodec, GroupedInt4Codec, Int4Codec
 from confkv.scoring import ScoreItem, Scorer
 
 from .conftest import fresh_tiny
@@ -83,8 +87,12 @@ def test_a_pass_key_in_a_demoted_block_is_still_found_where_eviction_loses_it() 
     assert mgr.demoted.indices_of(kv.seq_id) == [0, 1, 2, 3]
     found = _decode_output(mgr, pool, kv)
     assert float(found[0]) == pytest.approx(KEY_VALUE, abs=0.5)  # the key's value, through int4's rounding
-    row = mgr.demoted.codec(kv.seq_id).row_bytes(D)
-    assert mgr.demoted.used_bytes == 4 * 2 * L * BS * KVH * row  # four blocks, K and V, at 8 bytes a row (fp32: 32)
+    fmt = mgr.demoted.format(kv.seq_id)
+    # a key row: 4 bytes of codes and 8 of its block's channel grid (8 scales and 8 zero points, float16, over 4
+    # rows); a value row: 4 bytes of codes and one group's scale and zero point (fp32: 32 bytes each)
+    assert (fmt.k_row, fmt.v_row) == (D // 2 + 4 * D // BS, D // 2 + 4) == (12, 8)
+    assert mgr.demoted.used_bytes == 4 * BS * fmt.token_bytes(L, KVH) == 4 * BS * L * KVH * (12 + 8)
+    assert mgr.demoted.used_bytes == mgr.demoted.bytes_of(kv.seq_id) == mgr.demoted_block_bytes("int4") * 4
 
 
 def test_a_recall_brings_the_block_back_at_full_precision_and_drops_its_copy() -> None:
@@ -110,7 +118,7 @@ def test_a_demoting_window_stays_closer_to_full_than_an_evicting_one() -> None:
         kl[demote], demoted[demote] = float(r.kl.mean()), r.kv["demoted_peak_bytes"]
         assert r.kv["evicted_blocks"] > 20 and r.kv["peak_resident_tokens"] <= 100
         assert llm.engine.stats()["demoted_used_bytes"] == 0  # the finished sequence's copies are gone
-    # measured: 1.94 nats evicting, 0.076 at int4, 0.90 at int2
+    # measured: 1.94 nats evicting, 0.045 at int4 (0.076 with one int4 grid a row, before 2026-12-07), 0.90 at int2
     assert kl["int4"] < 0.1 * kl["none"] and kl["int2"] < 0.6 * kl["none"] and kl["int4"] < kl["int2"]
     assert demoted["none"] == 0 and 0 < demoted["int2"] < demoted["int4"]
 
@@ -126,8 +134,49 @@ def test_a_policy_swap_to_another_demote_dtype_recodes_the_sequences_copies() ->
     before = mgr.demoted.used_bytes
     values = torch.randn(L, 1, BS, KVH, D)
     mgr.demoted.put(kv.seq_id, [4], values, values, "int2")
-    assert mgr.demoted.codec(kv.seq_id).name == "int2" and mgr.demoted.indices_of(kv.seq_id) == [0, 1, 2, 3, 4]
-    per_row = {"int4": D // 2 + 4, "int2": D // 4 + 4}
-    assert before == 4 * 2 * L * BS * KVH * per_row["int4"]
-    assert mgr.demoted.used_bytes == 5 * 2 * L * BS * KVH * per_row["int2"]
+    assert mgr.demoted.format(kv.seq_id).name == "int2" and mgr.demoted.indices_of(kv.seq_id) == [0, 1, 2, 3, 4]
+    per_token = {"int4": (D // 2 + 4 * D // BS) + (D // 2 + 4), "int2": 2 * (D // 4 + 4)}  # K and V rows
+    assert before == 4 * L * BS * KVH * per_token["int4"]
+    assert mgr.demoted.used_bytes == 5 * L * BS * KVH * per_token["int2"]
     assert float(_decode_output(mgr, pool, kv)[0]) == pytest.approx(KEY_VALUE, abs=0.5)  # still found at int2
+
+
+def test_int4_copies_round_trip_in_the_pools_int4_layout_within_its_codecs_error() -> None:
+    """smollm2's geometry (head_dim 64, block 16): blocks demoted, gathered as attention reads them (several blocks
+    stacked, so the key grid must be split back into blocks) and decoded, within ``ChannelKeyCodec``'s and
+    ``GroupedInt4Codec``'s stated error; keys with outlier channels (as RoPE'd keys have) keep their small channels
+    far finer than one grid a row would, and the bytes held are the rows' own."""
+    layers, kvh, dim, bs, n = 2, 3, 64, 16, 5
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(layers, n, bs, kvh, dim, generator=g)
+    k[..., :4] *= 30.0  # outlier channels
+    v = torch.randn(layers, n, bs, kvh, dim, generator=g)
+    tier = DemotedTier(bs, torch.device("cpu"), dim)
+    tier.put(7, [1, 3, 4, 6, 9], k, v, "int4")
+    d = tier.gather(7, 10 * bs)
+    assert d is not None and d.pos.tolist() == [i * bs + t for i in (1, 3, 4, 6, 9) for t in range(bs)]
+    fmt = tier.format(7)
+    k_back = fmt.decode_k(d.k, torch.float32).reshape(k.shape[0], n, bs, kvh, dim)
+    v_back = fmt.decode_v(d.v, torch.float32).reshape(v.shape)
+    k_err, v_err = (k_back - k).abs(), (v_back - v).abs()
+    assert bool((k_err <= ChannelKeyCodec(dim, bs).max_error(k)).all())
+    assert bool((v_err <= GroupedInt4Codec().max_error(v)).all())
+    per_row = (k - Int4Codec().decode(Int4Codec().encode(k), torch.float32)).abs()
+    assert float(k_err[..., 4:].mean()) < 0.1 * float(per_row[..., 4:].mean())  # the outliers set only their own step
+    assert (fmt.k_row, fmt.v_row) == (48, 40)  # the pool's int4 rows at this geometry (fp32: 256 each)
+    assert tier.used_bytes == d.k.nbytes + d.v.nbytes == n * bs * layers * kvh * (48 + 40)
+    tier.drop(7, [3, 9])
+    assert tier.used_bytes == 3 * bs * layers * kvh * (48 + 40) and tier.indices_of(7) == [1, 4, 6]
+    tier.drop_sequence(7)
+    assert tier.used_bytes == 0 and tier.peak_bytes == n * bs * layers * kvh * (48 + 40)
+
+
+def test_a_block_size_int4_keys_cannot_lay_out_is_refused_where_a_policy_demotes_to_it() -> None:
+    """4 x head_dim bytes of a block's key grid must spread evenly over its rows: tiny-random's head_dim 16 at
+    block 24 cannot; an engine that does not demote still runs at that block size."""
+    with pytest.raises(ValueError, match="block size 24"):
+        DemotedTier(24, torch.device("cpu"), 16).format_named("int4")
+    with pytest.raises(ConfkvError, match="demote_dtype") as err:
+        LLM("tiny-random", "window", loaded=fresh_tiny(), block_size=24, demote_dtype="int4")
+    assert "\n" not in str(err.value)
+    LLM("tiny-random", "window", loaded=fresh_tiny(), block_size=24, demote_dtype="int2")

@@ -50,7 +50,9 @@ def test_demoted_copies_take_from_the_free_blocks_and_from_admissions_reservatio
     mgr = CacheManager(pool, HostTier(1 << 20), scaling=D**-0.5)
     kv = mgr.open(0, make_controller(policy), 24)
     per_block = mgr.demoted_block_bytes("int4")
-    assert per_block == 2 * L * BS * KVH * (D // 2 + 4)
+    # the pool's int4 rows: keys 4-bit codes plus the block's channel grid spread over its rows, values 4-bit codes
+    # plus one group's scale and zero point
+    assert per_block == L * BS * KVH * ((D // 2 + 4 * D // BS) + (D // 2 + 4))
     # 80 tokens, of which eviction may take all but the protected recent ones (16 tokens: four blocks)
     evictable = 20 - math.ceil(mgr.floor_tokens(kv) / BS)
     assert evictable == 16

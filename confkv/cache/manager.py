@@ -46,7 +46,7 @@ class CacheManager(SessionContinuation):
         self.pool = pool
         self.host = host
         #: Low-precision device copies of evicted blocks, for policies with ``demote_dtype``.
-        self.demoted = demoted or DemotedTier(pool.block_size, pool.device)
+        self.demoted = demoted or DemotedTier(pool.block_size, pool.device, pool.head_dim)
         pool.count_outside(lambda: self.demoted.used_bytes)  # the copies take from the pool's budget
         self.scaling = scaling
         self._seqs: dict[int, SequenceKV] = {}
@@ -219,8 +219,7 @@ class CacheManager(SessionContinuation):
     def demoted_block_bytes(self, dtype: str) -> int:
         """Bytes of one block's demoted copy (K and V, every layer) at ``dtype``."""
         pool = self.pool
-        row = self.demoted.codec_named(dtype).row_bytes(pool.head_dim)
-        return 2 * pool.num_layers * self.block_size * pool.num_kv_heads * row
+        return self.block_size * self.demoted.format_named(dtype).token_bytes(pool.num_layers, pool.num_kv_heads)
 
     # ------------------------------------------------------------------------------------------------- eviction
     def after_step(

@@ -137,6 +137,11 @@ class LLMEngine:
         self.host = HostTier(policy.host_cache_memory, pin_memory=self.device.type == "cuda", fmt=host_fmt)
         self.policies = PolicySwitch(policy, policy_info)
         self.manager = CacheManager(self.pool, self.host, scaling)
+        if policy.demote_dtype != "none":  # a geometry the demoted format cannot lay out: refused here, in one line
+            try:
+                self.manager.demoted.format_named(policy.demote_dtype)
+            except ValueError as err:
+                raise ConfkvError(f"demote_dtype: {err}") from None
         self.scheduler = Scheduler(
             self.manager,
             config.max_batch_size,

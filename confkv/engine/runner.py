@@ -148,7 +148,7 @@ class ModelRunner:
                         track=mode,
                         window_start=window_start,
                         capture=chunk.samples and seq.seq_id in capture,
-                        demoted=None if demoted is None else (self.demoted.codec(seq.seq_id), demoted),
+                        demoted=None if demoted is None else (self.demoted.format(seq.seq_id), demoted),
                         window=window_plan,
                     )
                 )
@@ -220,7 +220,8 @@ class ModelRunner:
     def _pack_demoted(
         self, batch: PackedBatch, rows: list[tuple[int, int, DemotedKeys]], nd: int, qpos: torch.Tensor
     ) -> None:
-        """The decode rows' demoted blocks as zero-padded ``[layers, g, width, kv_heads, row]`` per codec."""
+        """The decode rows' demoted blocks as zero-padded ``[layers, g, width, kv_heads, row]`` per format (whole
+        blocks: ``width`` is a multiple of the block size, as a per-channel key grid needs)."""
         assert self.demoted is not None
         device = self.device
         width = max(d.pos.numel() for _, _, d in rows)
@@ -231,17 +232,17 @@ class ModelRunner:
             t = d.pos.numel()
             valid[r, :t] = d.pos.cpu() <= qpos[r]
             pos[r, :t] = d.pos.cpu()
-            groups.setdefault(self.demoted.codec(sid).name, []).append((r, d))
+            groups.setdefault(self.demoted.format(sid).name, []).append((r, d))
         for members in groups.values():
             sid = next(s for r, s, _ in rows if r == members[0][0])
             k = torch.zeros((self.pool.num_layers, len(members), width, *members[0][1].k.shape[2:]),
                             dtype=torch.uint8, device=device)  # fmt: skip
-            v = torch.zeros_like(k)
+            v = k.new_zeros((*k.shape[:-1], members[0][1].v.shape[-1]))  # value rows: their own width
             for j, (_, d) in enumerate(members):
                 k[:, j, : d.pos.numel()] = d.k
                 v[:, j, : d.pos.numel()] = d.v
             index = torch.tensor([r for r, _ in members], dtype=torch.long, device=device)
-            batch.decode_demoted.append((self.demoted.codec(sid), index, k, v))
+            batch.decode_demoted.append((self.demoted.format(sid), index, k, v))
         batch.decode_demoted_valid = valid.to(device)
         batch.decode_demoted_pos = pos.to(device)
 

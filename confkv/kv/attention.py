@@ -35,9 +35,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from confkv.kv import folded, kernel
-from confkv.kv.demoted import DemotedKeys
+from confkv.kv.demoted import DemotedKeys, DemoteFormat
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import KVCodec
 
 ATTN_IMPLEMENTATION = "confkv"
 
@@ -58,8 +57,8 @@ class PrefillSpan:
     track: str = "none"  # "none" | "all" | "window": which queries' attention mass to record
     window_start: int = 0  # with track == "window": queries at positions >= this vote
     capture: bool = False  # keep the last query and its log-sum-exp (for recall scoring)
-    #: The sequence's demoted blocks (``confkv/kv/demoted.py``) and their codec, attended beside the pool's keys.
-    demoted: tuple[KVCodec, DemotedKeys] | None = None
+    #: The sequence's demoted blocks (``confkv/kv/demoted.py``) and their format, attended beside the pool's keys.
+    demoted: tuple[DemoteFormat, DemotedKeys] | None = None
     #: Which of ``key_slots`` have float-window copies and the copies' rows (``FloatWindow.rows_of``).
     window: WindowPlan | None = None
 
@@ -90,9 +89,10 @@ class PackedBatch:
     #: Filled per layer when capture is on: decode rows then capturing prefill spans, in that order.
     captured_q: list[torch.Tensor] = field(default_factory=list)  # [rows, kv_heads, groups, head_dim]
     captured_lse: list[torch.Tensor] = field(default_factory=list)  # [rows, kv_heads, groups]
-    #: Demoted blocks of the decode rows, grouped by codec: (codec, decode rows [g], keys and values
-    #: ``[layers, g, width, kv_heads, row]``, zero-padded); their keys follow the pool's in each row.
-    decode_demoted: list[tuple[KVCodec, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: Demoted blocks of the decode rows, grouped by format: (format, decode rows [g], keys and values
+    #: ``[layers, g, width, kv_heads, row]``, zero-padded whole blocks, K and V rows each their own width); their keys
+    #: follow the pool's in each row.
+    decode_demoted: list[tuple[DemoteFormat, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     decode_demoted_valid: torch.Tensor | None = None  # [num_decode, width] bool
     decode_demoted_pos: torch.Tensor | None = None  # [num_decode, width] true positions
     #: Float window (``confkv/kv/window.py``): which packed tokens write copies, and which of the decode rows'
@@ -227,9 +227,9 @@ def _with_demoted(
     width = batch.decode_demoted_valid.shape[1]
     dk = keys.new_zeros(n, width, kvh, dim)
     dv = values.new_zeros(n, width, kvh, dim)
-    for codec, rows, k, v in batch.decode_demoted:
-        dk[rows] = codec.decode(k[layer], dk.dtype)
-        dv[rows] = codec.decode(v[layer], dv.dtype)
+    for fmt, rows, k, v in batch.decode_demoted:
+        dk[rows] = fmt.decode_k(k[layer], dk.dtype)
+        dv[rows] = fmt.decode_v(v[layer], dv.dtype)
     return torch.cat([keys, dk.transpose(1, 2)], dim=2), torch.cat([values, dv.transpose(1, 2)], dim=2)
 
 
@@ -265,9 +265,9 @@ def _prefill_attention(
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kvh, L, D]
         key_slots, key_pos = span.key_slots, span.key_pos
         if span.demoted is not None:
-            codec, d = span.demoted
-            keys = torch.cat([keys, codec.decode(d.k[layer], keys.dtype).transpose(0, 1)], dim=1)
-            values = torch.cat([values, codec.decode(d.v[layer], values.dtype).transpose(0, 1)], dim=1)
+            fmt, d = span.demoted
+            keys = torch.cat([keys, fmt.decode_k(d.k[layer], keys.dtype).transpose(0, 1)], dim=1)
+            values = torch.cat([values, fmt.decode_v(d.v[layer], values.dtype).transpose(0, 1)], dim=1)
             key_pos = torch.cat([key_pos, d.pos])
 
     def allowed(q_pos: torch.Tensor) -> torch.Tensor:  # [rows, L]

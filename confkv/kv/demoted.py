@@ -1,15 +1,22 @@
 """Demoted blocks: what an evicting policy's budget leaves out, kept on the device at low precision and attended to.
 
 Under a policy with ``demote_dtype`` (``int4`` or ``int2``; MiKV, "No Token Left Behind", 2024) an evicted block
-still goes to the host tier at the pool's precision, so that a recall brings it back exact, and a copy quantised
-to ``demote_dtype`` (``confkv/kv/quant.py``, per token and KV head) stays here, on the device, where attention reads
-it beside the resident blocks. The budget (set by confidence) thus decides which blocks keep the pool's precision,
-not which are attended to. A recall drops the copy (the block is back at full precision); so does the end of the
-sequence. Copies are not dropped when the host tier drops the full-precision block: they are then all that is left.
+still goes to the host tier at the pool's precision, so that a recall brings it back exact, and a copy quantised to
+``demote_dtype`` stays here, on the device, where attention reads it beside the resident blocks. The budget (set by
+confidence) thus decides which blocks keep the pool's precision, not which are attended to. A recall drops the copy
+(the block is back at full precision); so does the end of the sequence. Copies are not dropped when the host tier
+drops the full-precision block: they are then all that is left.
 
-The copies live outside the preallocated pool, one small tensor per block (``int4``: 36 bytes a row at head_dim 64
-against the pool's 256 in float32); ``used_bytes`` counts them, the engine reports them beside the pool's bytes, and
-the pool counts them against its budget (``BlockPool.count_outside``), so admission and preemption see them.
+``int4`` copies are in the pool's own int4 layout (``confkv/kv/quant.py``, KIVI): keys per channel within the block
+(``ChannelKeyCodec``; a demoted copy is a whole block, so its grid spans all its tokens) and values per token in
+groups of 32 channels (``GroupedInt4Codec``). One int4 grid per row for keys and values alike, the layout used before
+(2026-12-07, eighth session), costs +16% perplexity on smollm2 with every token in it against +1.24% for this one
+(docs/kv-dtypes.md). ``int2`` copies keep one grid per row (``Int2Codec``).
+
+The copies live outside the preallocated pool, one small tensor per block (``int4``: 88 bytes for a token's K and V
+rows in one layer and KV head at head_dim 64 and block 16, against 512 in float32); ``used_bytes`` counts them, the
+engine reports them beside the pool's bytes, and the pool counts them against its budget
+(``BlockPool.count_outside``), so admission and preemption see them.
 """
 
 from __future__ import annotations
@@ -18,38 +25,94 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv.kv.quant import DEMOTE_CODECS, KVCodec
+from confkv.kv.quant import ChannelKeyCodec, GroupedInt4Codec, Int2Codec, KVCodec
 
 BlockKey = tuple[int, int]  # (sequence id, logical block index)
+
+#: The ``demote_dtype`` values that keep a copy (``none`` keeps none).
+DEMOTE_DTYPES: tuple[str, ...] = ("int4", "int2")
 
 
 @dataclass
 class DemotedKeys:
-    """A sequence's demoted blocks stacked for attention: rows ``[layers, tokens, kv_heads, row]`` and positions."""
+    """A sequence's demoted blocks stacked for attention: rows ``[layers, tokens, kv_heads, row]`` (whole blocks in
+    order; keys and values may differ in row width) and positions."""
 
     k: torch.Tensor
     v: torch.Tensor
     pos: torch.Tensor  # [tokens] true positions
 
 
+class DemoteFormat:
+    """How demoted copies store a block's K and V at one ``demote_dtype``: a codec for keys and one for values.
+
+    Rows come in whole blocks (``put`` demotes blocks), and ``gather`` stacks a sequence's blocks along the token
+    axis; ``decode_k`` splits that axis back into blocks where the key codec's grid spans a block."""
+
+    def __init__(self, name: str, head_dim: int, block_size: int) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.k_codec: KVCodec | ChannelKeyCodec
+        self.v_codec: KVCodec
+        if name == "int4":
+            self.k_codec, self.v_codec = ChannelKeyCodec(head_dim, block_size), GroupedInt4Codec()
+        elif name == "int2":
+            self.k_codec = self.v_codec = Int2Codec()
+        else:
+            raise ValueError(f"unknown demote_dtype {name!r}: choose one of {', '.join(DEMOTE_DTYPES)}")
+        self.k_row = self.k_codec.row_bytes(head_dim)
+        self.v_row = self.v_codec.row_bytes(head_dim)
+
+    def token_bytes(self, num_layers: int, num_kv_heads: int) -> int:
+        """Bytes of one token's demoted K and V rows, every layer and KV head."""
+        return num_layers * num_kv_heads * (self.k_row + self.v_row)
+
+    def encode_k(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys of whole blocks ``[..., block_size, kv_heads, head_dim]`` -> rows ``[..., block_size, kv_heads,
+        k_row]``."""
+        return self.k_codec.encode(x)
+
+    def encode_v(self, x: torch.Tensor) -> torch.Tensor:
+        return self.v_codec.encode(x)
+
+    def decode_k(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``[..., tokens, kv_heads, k_row]`` of whole blocks in order (zero rows of padding decode to zeros)
+        -> keys ``[..., tokens, kv_heads, head_dim]``."""
+        if not isinstance(self.k_codec, ChannelKeyCodec):
+            return self.k_codec.decode(rows, dtype)
+        *lead, tokens, kvh, row = rows.shape
+        blocks = rows.reshape(*lead, tokens // self.block_size, self.block_size, kvh, row)
+        return self.k_codec.decode(blocks, dtype).reshape(*lead, tokens, kvh, -1)
+
+    def decode_v(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.v_codec.decode(rows, dtype)
+
+
 class DemotedTier:
     """Low-precision device copies of evicted blocks, by sequence, with byte accounting."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, head_dim: int) -> None:
         self.block_size = block_size
         self.device = device
         self._blocks: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._codecs: dict[str, KVCodec] = {name: cls() for name, cls in DEMOTE_CODECS.items()}
-        self._seq_codec: dict[int, str] = {}
+        self.head_dim = head_dim
+        self._formats: dict[str, DemoteFormat] = {}
+        self._seq_format: dict[int, str] = {}
         self.used_bytes = 0
         self.peak_bytes = 0
         self.demoted_blocks = 0
 
-    def codec(self, seq_id: int) -> KVCodec:
-        return self._codecs[self._seq_codec[seq_id]]
+    def format(self, seq_id: int) -> DemoteFormat:
+        """The format of a sequence's copies (one per sequence: attention reads them in one pass)."""
+        return self._formats[self._seq_format[seq_id]]
 
-    def codec_named(self, dtype: str) -> KVCodec:
-        return self._codecs[dtype]
+    def format_named(self, dtype: str) -> DemoteFormat:
+        """The format of ``dtype``, made on first use: a geometry int4's per-channel keys cannot lay out (``4 x
+        head_dim`` not a multiple of the block size) is refused (``ValueError``) where a policy demotes to it, not
+        in every engine."""
+        if dtype not in self._formats:
+            self._formats[dtype] = DemoteFormat(dtype, self.head_dim, self.block_size)
+        return self._formats[dtype]
 
     def has_blocks(self, seq_id: int) -> bool:
         return bool(self._blocks.get(seq_id))
@@ -64,12 +127,12 @@ class DemotedTier:
         """Keep blocks (``k``/``v``: values ``[layers, n, block_size, kv_heads, head_dim]``) at ``dtype``. A
         sequence whose policy was swapped for one of another ``demote_dtype`` has its earlier copies re-encoded, so
         that its demoted blocks stay one format (what attention reads in one pass)."""
-        old = self._seq_codec.setdefault(seq_id, dtype)
+        old = self._seq_format.setdefault(seq_id, dtype)
         if old != dtype:
-            self._recode(seq_id, self._codecs[old], self._codecs[dtype])
-            self._seq_codec[seq_id] = dtype
-        codec = self._codecs[dtype]
-        kq, vq = codec.encode(k.to(self.device)), codec.encode(v.to(self.device))
+            self._recode(seq_id, self.format_named(old), self.format_named(dtype))
+            self._seq_format[seq_id] = dtype
+        fmt = self.format_named(dtype)
+        kq, vq = fmt.encode_k(k.to(self.device)), fmt.encode_v(v.to(self.device))
         blocks = self._blocks.setdefault(seq_id, {})
         for j, idx in enumerate(indices):
             self._drop(seq_id, idx)
@@ -78,12 +141,12 @@ class DemotedTier:
         self.demoted_blocks += len(indices)
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
-    def _recode(self, seq_id: int, old: KVCodec, new: KVCodec) -> None:
+    def _recode(self, seq_id: int, old: DemoteFormat, new: DemoteFormat) -> None:
         blocks = self._blocks.get(seq_id, {})
-        for idx, (k, v) in list(blocks.items()):
-            values = (old.decode(k, torch.float32), old.decode(v, torch.float32))
+        for idx, (k, v) in list(blocks.items()):  # k, v: one block's rows [layers, block_size, kv_heads, row]
+            values = (old.decode_k(k, torch.float32), old.decode_v(v, torch.float32))
             self.used_bytes -= k.nbytes + v.nbytes
-            blocks[idx] = (new.encode(values[0]), new.encode(values[1]))
+            blocks[idx] = (new.encode_k(values[0]), new.encode_v(values[1]))
             self.used_bytes += blocks[idx][0].nbytes + blocks[idx][1].nbytes
 
     def drop(self, seq_id: int, indices: list[int]) -> None:
@@ -96,7 +159,7 @@ class DemotedTier:
 
     def drop_sequence(self, seq_id: int) -> None:
         self.drop(seq_id, self.indices_of(seq_id))
-        self._seq_codec.pop(seq_id, None)
+        self._seq_format.pop(seq_id, None)
 
     def _drop(self, seq_id: int, idx: int) -> None:
         blocks = self._blocks.get(seq_id)

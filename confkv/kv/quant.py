@@ -16,7 +16,8 @@ int2     ``round((x - m) / s)`` in 0..3, four a byte  ``s = (max - m) / 3``, ``m
 
 The pool's int4 is KIVI's layout: values per token in groups of 32 channels (``GroupedInt4Codec``, a grid per
 group), keys per channel within a block (``ChannelKeyCodec``, a grid per channel over the block's tokens, spread over
-its rows). Demoted blocks use ``Int4Codec``/``Int2Codec``: one grid per row, keys and values alike.
+its rows). Demoted blocks (``confkv/kv/demoted.py``) use the same two at int4, and ``Int2Codec`` (one grid per row,
+keys and values alike) at int2.
 
 int4 is asymmetric (a zero point ``m``, the minimum): at 16 levels a symmetric grid wastes one level and, on a row
 whose values lean to one side, half of the others. Scales are kept in float16, rounded before the data are
@@ -407,8 +408,6 @@ _CODECS: dict[str, type[KVCodec]] = {c.name: c for c in (Int8Codec, Fp8Codec, Gr
 #: A session record's dtype for each quantised ``kv_cache_dtype``. int4 is ``kv-int4c`` (keys per channel): the
 #: earlier per-token int4 rows, recorded as ``kv-int4``, are foreign to it.
 RECORD_DTYPES: dict[str, str] = {"int8": "kv-int8", "fp8": "kv-fp8", "int4": "kv-int4c"}
-#: Formats a block evicted from the pool may be kept in on the device (``demote_dtype``).
-DEMOTE_CODECS: dict[str, type[KVCodec]] = {c.name: c for c in (Int4Codec, Int2Codec)}
 
 
 def codec_for(kv_cache_dtype: str) -> KVCodec | None:
