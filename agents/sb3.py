@@ -30,11 +30,13 @@ from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter, Logger
+from stable_baselines3.common.utils import LinearSchedule
 from stable_baselines3.common.vec_env import VecEnv
 
 from confkv.progress import Stage
 
 ALGOS = ("ppo", "sac")
+LR_SCHEDULES = ("constant", "linear")
 #: The best evaluation of a run: its reward, the updates made before it, and the policy's weights then.
 Best = tuple[float, int, dict[str, Any]]
 
@@ -50,6 +52,10 @@ class Preset:
     batch_size: int
     n_epochs: int  # PPO: passes over each rollout
     learning_rate: float = 3e-4
+    #: ``constant``, or ``linear``: the learning rate falls in a straight line from ``learning_rate`` at the first
+    #: update to zero at the last (SB3's ``progress_remaining``), so late updates move a policy that has found its
+    #: behaviour in ever smaller steps instead of on past it (``--lr-schedule``)
+    lr_schedule: str = "constant"
     log_std_init: float = -1.0
     eval_every: int = 8  # updates (PPO) or ``eval_every * n_steps * n_envs`` timesteps (SAC) between evaluations
     learning_starts: int = 128  # SAC: steps of uniformly random actions before the first gradient step
@@ -268,7 +274,7 @@ def train_sb3(
             policy_kwargs["log_std_init"] = p.log_std_init
         model = PPO(
             "MlpPolicy", env, n_steps=p.n_steps, batch_size=p.batch_size, n_epochs=p.n_epochs,
-            learning_rate=p.learning_rate, gamma=p.gamma, seed=seed, policy_kwargs=policy_kwargs, device="cpu",
+            learning_rate=learning_rate_of(p), gamma=p.gamma, seed=seed, policy_kwargs=policy_kwargs, device="cpu",
             verbose=0, **hyper,
         )  # fmt: skip
         per_update = 1
@@ -278,7 +284,7 @@ def train_sb3(
         policy_kwargs["log_std_init"] = p.log_std_init
         model = SAC(
             "MlpPolicy", env, learning_starts=min(p.learning_starts, timesteps // 4), batch_size=p.batch_size,
-            learning_rate=p.learning_rate, gamma=p.gamma, seed=seed, policy_kwargs=policy_kwargs, device="cpu",
+            learning_rate=learning_rate_of(p), gamma=p.gamma, seed=seed, policy_kwargs=policy_kwargs, device="cpu",
             verbose=0, **hyper,
         )  # fmt: skip
         per_update = p.n_steps  # SAC collects one vectorised step per "rollout": evaluate every n_steps * eval_every
@@ -306,6 +312,18 @@ def train_sb3(
         if on_select:
             on_select(updates, reward)
     return model
+
+
+def learning_rate_of(preset: Preset) -> float | LinearSchedule:
+    """The learning rate as SB3 takes it: a number, or for ``linear`` a schedule of ``progress_remaining`` (1 at the
+    start, 0 when ``timesteps`` are done) that SB3 applies to every optimiser before each update; a PPO run of N
+    updates thus makes update k at ``learning_rate x (1 - k/N)``, its last at zero. A resumed run keeps the schedule
+    its saved model holds, over the whole run's timesteps."""
+    if preset.lr_schedule == "constant":
+        return preset.learning_rate
+    if preset.lr_schedule == "linear":
+        return LinearSchedule(preset.learning_rate, 0.0, 1.0)
+    raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES} (got {preset.lr_schedule!r})")
 
 
 def _start_at_the_centre(model: BaseAlgorithm) -> None:

@@ -176,7 +176,7 @@ def test_sac_refines_a_tuned_policy_with_its_discount_and_no_random_warm_up(tmp_
     assert tune_main([*bad, "--algo", "ppo", "--timesteps", "8", "--learning-starts", "0"]) == 2
     assert "--learning-starts is for sac" in capsys.readouterr().err
     assert tune_main([*bad, "--algo", "optuna", "--trials", "1", "--gamma", "0.5"]) == 2
-    assert "--gamma and --ent-coef are for ppo or sac" in capsys.readouterr().err
+    assert "--gamma, --ent-coef and --lr-schedule are for ppo or sac" in capsys.readouterr().err
     assert tune_main([*bad, "--algo", "ppo", "--timesteps", "8", "--ent-coef", "auto"]) == 2
     assert "--ent-coef must be a number" in capsys.readouterr().err
     assert tune_main([*bad, "--algo", "sac", "--timesteps", "8", "--gamma", "1.5"]) == 2
@@ -203,6 +203,39 @@ def test_ppo_chooses_its_export_on_held_out_training_items(tmp_path, monkeypatch
     assert "--validation-fraction must be at least 0 and below 1" in capsys.readouterr().err
     assert tune_main([*bad, "--algo", "optuna", "--trials", "1", "--validation-fraction", "0.3"]) == 2
     assert "--validation-fraction is for ppo or sac" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("algo", "action", "schedule"),
+    [("ppo", "budget", "linear"), ("ppo", "budget", "constant"), ("sac", "knobs", "linear")],
+)
+def test_lr_schedule_reaches_the_optimisers_and_is_recorded(tmp_path, monkeypatch, capsys, algo, action, schedule):
+    """``--lr-schedule linear`` decays the optimisers' learning rate to zero over the run (SB3's progress_remaining:
+    PPO's 3 updates here at 2/3, 1/3 and 0 of the start), ``constant`` leaves it; the saved model's optimisers hold
+    the rate of the last update, and the schedule is a run parameter and in the export's ``policy.json``."""
+    import mlflow
+    from stable_baselines3 import PPO, SAC
+
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--algo", algo, "--action", action, "--model", "tiny-random", "--timesteps", "96" if algo == "ppo"
+            else "32", "--n-envs", "2", "--eval-every", "0", "--learning-rate", "2e-3", "--lr-schedule", schedule,
+            "--out", "run", "--no-register"]  # fmt: skip
+    _, _, run, _ = _train_run(args, capsys)
+    model = (PPO if algo == "ppo" else SAC).load(str(tmp_path / "run" / f"{algo}_sb3.zip"), device="cpu")
+    optimisers = [model.policy.optimizer] if algo == "ppo" else [model.actor.optimizer, model.critic.optimizer]
+    last = {group["lr"] for opt in optimisers for group in opt.param_groups}
+    assert last == ({2e-3} if schedule == "constant" else {0.0})  # SB3 sets the float the schedule returns
+    if algo == "ppo":  # SB3 dumps an update's figures before the next one: the last update's are not logged
+        history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "train/learning_rate")
+        rates = [m.value for m in sorted(history, key=lambda m: m.step)]
+        start = [1.0, 1.0] if schedule == "constant" else [2 / 3, 1 / 3]
+        assert rates == [pytest.approx(2e-3 * f) for f in start]
+    assert run.data.params["preset_lr_schedule"] == schedule and run.data.params["preset_learning_rate"] == "0.002"
+    doc = json.loads((tmp_path / "run" / "policy" / "policy.json").read_text())
+    assert (doc["lr_schedule"], doc["learning_rate"]) == (schedule, 2e-3)
+    bad = ["train", "--model", "tiny-random", "--out", "x", "--no-register"]
+    assert tune_main([*bad, "--algo", "optuna", "--trials", "1", "--lr-schedule", "linear"]) == 2
+    assert "--lr-schedule are for ppo or sac" in capsys.readouterr().err
 
 
 def test_eval_and_compare_are_mlflow_runs_and_errors(tmp_path, monkeypatch, capsys):

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=None, help="minibatch size")
     train.add_argument("--n-epochs", type=int, default=None, help="ppo: passes over each rollout")
     train.add_argument("--learning-rate", type=float, default=None)
+    train.add_argument("--lr-schedule", choices=["constant", "linear"], default=None, help="ppo/sac: keep the "
+                       "learning rate (default the preset's, constant) or decay it linearly to zero over the run "
+                       "(SB3's progress_remaining), so late updates take ever smaller steps")  # fmt: skip
     train.add_argument("--log-std-init", type=float, default=None, help="ppo/sac: log standard deviation of the "
                        "Gaussian policy at the start (default the preset's, -1: 0.37 in action units)")  # fmt: skip
     train.add_argument("--gamma", type=float, default=None, help="ppo/sac: discount of later segments' rewards "

@@ -45,8 +45,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfkvError("--observation is for ppo or sac (an Optuna trial sets its knobs once, seeing nothing)")
     if args.relative_reward and args.algo == "optuna":
         raise ConfkvError("--relative-reward is for ppo or sac")
-    if (args.gamma is not None or args.ent_coef is not None) and args.algo == "optuna":
-        raise ConfkvError("--gamma and --ent-coef are for ppo or sac")
+    if (args.gamma is not None or args.ent_coef is not None or args.lr_schedule is not None) and args.algo == "optuna":
+        raise ConfkvError("--gamma, --ent-coef and --lr-schedule are for ppo or sac")
     if args.shaping_headroom is not None and args.algo == "optuna":
         raise ConfkvError("--shaping-headroom is for ppo or sac (it shapes the reward an agent trains on)")
     if args.learning_starts is not None and args.algo != "sac":

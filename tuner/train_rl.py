@@ -62,6 +62,8 @@ def preset_of(args: argparse.Namespace) -> Any:
         changes["eval_every"] = 1 << 30  # before the first update and after the last only
     if args.mode == "decode":
         changes["n_envs"] = 1  # one free-decoding episode at a time
+    if args.lr_schedule is not None:
+        changes["lr_schedule"] = args.lr_schedule  # a name (the parser's choices), not a number to check
     preset = dataclasses.replace(PRESETS[args.preset], **changes)
     rollout = preset.n_steps * preset.n_envs
     if args.algo == "ppo" and preset.batch_size > rollout and args.batch_size is None:
@@ -231,7 +233,9 @@ def train_rl(
         print(f"  exported: the policy after {updates} updates ({on} reward {reward:.3f})", file=sys.stderr)
 
     def export(model: Any) -> None:
-        export_sb3(model, args.action, policy_dir, data.base_policy, {"workload": args.workload, "model": args.model},
+        trained = {"workload": args.workload, "model": args.model, "learning_rate": args.preset_obj.learning_rate,
+                   "lr_schedule": args.preset_obj.lr_schedule}  # fmt: skip
+        export_sb3(model, args.action, policy_dir, data.base_policy, trained,
                    space=data.knob_space() if args.action == "knobs" else None,
                    obs_version=data.obs_version)  # fmt: skip
 
