@@ -7,10 +7,17 @@ from typing import Any
 
 
 def learning_curve(
-    out: Path, title: str, episodes: list[tuple[float, float]], evals: list[tuple[float, float]], default: float
+    out: Path,
+    title: str,
+    episodes: list[tuple[float, float]],
+    evals: list[tuple[float, float]],
+    default: float,
+    evaluated_on: str = "all training episodes",
+    baseline: str = "default rule",
 ) -> None:
     """Episode rewards (dots), their running mean over 20, the deterministic policy's evaluations (line) and the
-    default rule's reward on the same episodes (dashed)."""
+    baseline's reward on the episodes they were evaluated on (dashed); the legend names those episodes, since a run
+    with a validation share evaluates on items it does not train on."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,8 +32,8 @@ def learning_curve(
         ax.plot(xs[k - 1 :], np.convolve(ys, np.ones(k) / k, mode="valid"), lw=1.5, label=f"mean of {k} episodes")
     if evals:
         ex, ey = zip(*evals, strict=True)
-        ax.plot(ex, ey, marker="o", lw=2, label="deterministic policy, all training episodes")
-    ax.axhline(default, ls="--", c="gray", label="default rule")
+        ax.plot(ex, ey, marker="o", lw=2, label=f"deterministic policy, {evaluated_on}")
+    ax.axhline(default, ls="--", c="gray", label=baseline)
     ax.set_xlabel("timestep (segments)")
     ax.set_ylabel("reward per episode")
     ax.set_title(title)

@@ -279,5 +279,10 @@ def train_rl(
     export(model)
     on_checkpoint(model, None)
     (out / BEST_WEIGHTS).unlink(missing_ok=True)
-    learning_curve(out, f"{args.algo} on {args.workload} ({args.model})", episodes, evals, default_reward)
+    held = judge is not data
+    learning_curve(
+        out, f"{args.algo} on {args.workload} ({args.model})", episodes, evals, default_reward,
+        evaluated_on=f"{len(judge.episodes)} validation episodes" if held else "all training episodes",
+        baseline="starting policy, validation episodes" if held else "default rule",
+    )  # fmt: skip
     return load_policy_file(policy_dir)
