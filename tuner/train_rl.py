@@ -283,6 +283,6 @@ def train_rl(
     learning_curve(
         out, f"{args.algo} on {args.workload} ({args.model})", episodes, evals, default_reward,
         evaluated_on=f"{len(judge.episodes)} validation episodes" if held else "all training episodes",
-        baseline="starting policy, validation episodes" if held else "default rule",
+        baseline="base policy, validation episodes" if held else "default rule",
     )  # fmt: skip
     return load_policy_file(policy_dir)
