@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv.kv.quant import ChannelKeyCodec, GroupedInt4Codec, Int2Codec, KVCodec
+from confkv.kv.quant import ChannelKeyCodec, Int2Codec, KVCodec, KVFormat
 
 BlockKey = tuple[int, int]  # (sequence id, logical block index)
 
@@ -54,8 +54,10 @@ class DemoteFormat:
         self.block_size = block_size
         self.k_codec: KVCodec | ChannelKeyCodec
         self.v_codec: KVCodec
-        if name == "int4":
-            self.k_codec, self.v_codec = ChannelKeyCodec(head_dim, block_size), GroupedInt4Codec()
+        if name == "int4":  # the pool's own int4 codecs, taken from its format so the two layouts cannot drift
+            pool_int4 = KVFormat("int4", head_dim, block_size, torch.float32)
+            assert pool_int4.k_codec is not None and pool_int4.v_codec is not None
+            self.k_codec, self.v_codec = pool_int4.k_codec, pool_int4.v_codec
         elif name == "int2":
             self.k_codec = self.v_codec = Int2Codec()
         else:
