@@ -77,6 +77,9 @@ def test_compare_reports_each_learned_policy_against_its_constant(tmp_path, monk
     assert checks["blind"]["knobs"]["entropy_threshold"] == pytest.approx(BASE.entropy_threshold)
     assert blind_margin == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "items": 4, "above_zero": False}
     assert "vs rule:" in out and checks["blind"]["margins"]["rule"]["mean"] == 0.0
+    # networks are paired with each other too (a learned policy against the network it started from), both ways
+    assert checks["blind"]["margins"]["seeing"]["mean"] == pytest.approx(-checks["seeing"]["margins"]["blind"]["mean"])
+    assert "vs seeing:" in out and "vs blind:" in out
     seen = checks["seeing"]
     assert seen["decisions"] > 4 and seen["margins"]["constant"]["lo"] <= seen["margins"]["constant"]["hi"]
     rows = {r["policy"]: r for r in json.loads((tmp_path / "cmp" / "compare.json").read_text())}

@@ -100,8 +100,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                       file=sys.stderr)  # fmt: skip
                 progress.update(1)
         policies = dict(named)
-        checks = state_dependence(data, args, policies, decisions, per_episode, rows,
-                                  [n for n in given if n not in decisions])  # fmt: skip
+        named_order = [n for n, _ in named if n in given]
+        checks = state_dependence(data, args, policies, decisions, per_episode, rows, named_order)
         fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
         pct = lambda v: None if v is None else 100 * v  # noqa: E731
         lines = [
@@ -143,12 +143,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def state_dependence(
     data: Any, args: argparse.Namespace, policies: dict[str, CachePolicy], decisions: dict[str, list[dict[str, float]]],
-    per_episode: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], rules: list[str],
+    per_episode: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], given: list[str],
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Each learned policy against its own constant (the ``dynamic`` rule with the network's median knobs over the
     decisions it took here, or a budget network's most frequent action taken every segment, evaluated and added to
-    ``rows`` as ``NAME constant``) and against every rule policy named with ``--policy`` (an Optuna result):
-    per-item reward margins with 95% bootstrap intervals over items."""
+    ``rows`` as ``NAME constant``) and against every other policy named with ``--policy``, rule (an Optuna result)
+    or network (a hand rule as a network, the network it was imitated from, another seed), since a learned policy
+    that only ties what it started from has learned nothing the start did not have: per-item reward margins with 95%
+    bootstrap intervals over items."""
     from envs.constant import median_knobs, own_constant, paired_margin
     from envs.evaluate import evaluate_policy
 
@@ -161,7 +163,7 @@ def state_dependence(
         rows.append({"policy": f"{name} constant", "controller": fixed.controller, **m,
                      "retrieval_lost": bool(lost_retrieval(m))})  # fmt: skip
         margins = {"constant": paired_margin(per_episode[name], constant["per_episode"], seed=args.seed).to_dict()}
-        for other in rules:
+        for other in (n for n in given if n != name):
             margins[other] = paired_margin(per_episode[name], per_episode[other], seed=args.seed).to_dict()
         checks[name] = {"knobs": knobs, "decisions": len(seen), "constant_reward": m["reward"],
                         "constant_kv_fraction": m["kv_fraction"], "margins": margins}  # fmt: skip
