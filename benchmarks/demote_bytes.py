@@ -33,6 +33,8 @@ same for every row: a pass-key prompt is read in chunks of at most that many tok
 each baseline's budget is that share of the workload's mean tokens (rounded to a block), no ``dynamic`` row runs, and
 the rows are named ``NAME@DTYPE/SHARE``. It answers where a fixed baseline at a dtype starts to lose to dropping
 text, which is where demotion at the same bytes can be ahead of it. ``--workloads prose`` skips the pass keys.
+``--int2-value-group`` sets the channels per value group of ``int2`` copies
+(``confkv.kv.demoted.INT2_VALUE_GROUP``), to choose it by measurement.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from confkv.bench.evaluator import build_workloads
 from confkv.bench.memory import token_bytes
 from confkv.bench.passkey import passkey_item
 from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
+from confkv.kv import demoted
 
 
 def held(outs, auto_bpt: int) -> dict[str, float]:
@@ -93,7 +96,14 @@ def main() -> None:
         help="comma-separated shares of the text: each baseline at each share of the mean tokens (no dynamic rows)",
     )
     p.add_argument("--workloads", default="prose,passkey", help="comma-separated: prose, passkey")
+    p.add_argument(
+        "--int2-value-group",
+        type=int,
+        default=demoted.INT2_VALUE_GROUP,
+        help="channels per value group of int2 demoted copies (a measurement aid: the engine's is INT2_VALUE_GROUP)",
+    )
     args = p.parse_args()
+    demoted.INT2_VALUE_GROUP = args.int2_value_group  # read as each engine makes its int2 format
     workloads = tuple(w for w in args.workloads.split(",") if w)
     if not workloads or set(workloads) - {"prose", "passkey"}:
         p.error(f"--workloads: prose and/or passkey, not {args.workloads!r}")
@@ -114,7 +124,7 @@ def main() -> None:
     auto_bpt = token_bytes(loaded, "auto", bs)
     result: dict = {**env, "suite": args.suite, "prose_items": len(prose), "passkey_items": len(keys),
                     "passkey_length": args.length, "max_num_batched_tokens": args.max_num_batched_tokens,
-                    "match": args.match,
+                    "match": args.match, "int2_value_group": demoted.INT2_VALUE_GROUP,
                     "dynamic": {k: getattr(dynamic, k) for k in ("base_size", "max_size", "min_recent")}}  # fmt: skip
     full_right: dict[str, list[bool]] = {}  # full@auto's answers, the first run's
     full_mean: dict[str, float] = {}  # full@auto's mean resident bytes per workload
