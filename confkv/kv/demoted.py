@@ -16,7 +16,7 @@ within the block, values per token in groups of ``INT2_VALUE_GROUP`` channels (u
 one int2 grid a row for keys and values alike).
 
 The copies live outside the preallocated pool, one small tensor per block (at head_dim 64 and block 16, a token's K
-and V rows in one layer and KV head: ``int4`` 48 + 40 = 88 bytes, ``int2`` 32 + 24 = 56, against 512 in float32;
+and V rows in one layer and KV head: ``int4`` 48 + 40 = 88 bytes, ``int2`` 32 + 32 = 64, against 512 in float32;
 ``token_bytes`` is the rows' own width); ``used_bytes`` counts them, the
 engine reports them beside the pool's bytes, and the pool counts them against its budget
 (``BlockPool.count_outside``), so admission and preemption see them.
@@ -34,8 +34,10 @@ BlockKey = tuple[int, int]  # (sequence id, logical block index)
 
 #: The ``demote_dtype`` values that keep a copy (``none`` keeps none).
 DEMOTE_DTYPES: tuple[str, ...] = ("int4", "int2")
-#: Channels per value group of an ``int2`` copy (a scale and zero point each). The int4 pool's values use 32.
-INT2_VALUE_GROUP = 32
+#: Channels per value group of an ``int2`` copy (a scale and zero point each; the int4 pool's values use 32). 16
+#: measured better than 32 for its bytes on 3,000-token prose (+5.14% against +5.48% perplexity, 64 bytes a token's
+#: K and V rows against 56; ``benchmarks/demote_bytes.py --int2-value-group``, docs/kv-dtypes.md, ninth session).
+INT2_VALUE_GROUP = 16
 
 
 @dataclass

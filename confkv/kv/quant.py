@@ -11,13 +11,13 @@ dtype    data                                         scale bytes               
 int8     ``round(x / s)`` in -127..127, one a byte     ``s = absmax / 127``, float16   66 (fp32: 256)
 fp8      ``x / s`` as ``float8_e4m3fn``               ``s = absmax / 448``, float16   66
 int4     ``round((x - m) / s)`` in 0..15, two a byte  ``s = (max - m) / 15``, ``m``   V 40, K 48 (block 16)
-int2     ``round((x - m) / s)`` in 0..3, four a byte  ``s = (max - m) / 3``, ``m``    V 24, K 32 (demoted only)
+int2     ``round((x - m) / s)`` in 0..3, four a byte  ``s = (max - m) / 3``, ``m``    V 32, K 32 (demoted only)
 =======  ===========================================  ==============================  =====================
 
 The pool's int4 is KIVI's layout: values per token in groups of 32 channels (``GroupedCodec``, a grid per group),
 keys per channel within a block (``ChannelKeyCodec``, a grid per channel over the block's tokens, spread over its
 rows). Demoted blocks (``confkv/kv/demoted.py``) use the same layout at int4 and at int2 (``bits=2``: four levels,
-KIVI's 2-bit layout); int2 is never the pool's own dtype.
+KIVI's 2-bit layout, values in groups of 16); int2 is never the pool's own dtype.
 
 int4 is asymmetric (a zero point ``m``, the minimum): at 16 levels a symmetric grid wastes one level and, on a row
 whose values lean to one side, half of the others. Scales are kept in float16, rounded before the data are
