@@ -28,6 +28,13 @@ block), so the baseline's own peak does not exceed the demoting run's.
 same for every row: a pass-key prompt is read in chunks of at most that many tokens, and an evicting policy holds its
 ``max_size`` plus one chunk before it trims, which is part of every row's peak. Prose is scored from its first token
 (forced chunks of ``compact_interval``), so its peak does not depend on it.
+
+``--baseline-token-shares 0.25,0.42,...`` measures the baselines against the share of the text they keep instead:
+each baseline's budget is that share of the workload's mean tokens (rounded to a block), no ``dynamic`` row runs, and
+the rows are named ``NAME@DTYPE/SHARE``. It answers where a fixed baseline at a dtype starts to lose to dropping
+text, which is where demotion at the same bytes can be ahead of it. ``--workloads prose`` skips the pass keys.
+``--int2-value-group`` sets the channels per value group of ``int2`` copies
+(``confkv.kv.demoted.INT2_VALUE_GROUP``), to choose it by measurement.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from confkv.bench.evaluator import build_workloads
 from confkv.bench.memory import token_bytes
 from confkv.bench.passkey import passkey_item
 from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
+from confkv.kv import demoted
 
 
 def held(outs, auto_bpt: int) -> dict[str, float]:
@@ -52,6 +60,14 @@ def held(outs, auto_bpt: int) -> dict[str, float]:
         "peak": sum(o.kv["peak_resident_bytes"] + o.kv["demoted_peak_bytes"] for o in outs) / full,
         "mean": sum(o.kv["mean_resident_bytes"] + o.kv["demoted_peak_bytes"] for o in outs),
     }
+
+
+def share_budget(share: float, tokens: float, block_size: int) -> int:
+    """A budget of ``share`` of a workload's ``tokens``, to the nearest block (at least two blocks, as the matched
+    budgets are)."""
+    if not 0 < share <= 1:
+        raise ValueError(f"a share of the text is in (0, 1], not {share}")
+    return max(2 * block_size, round(share * tokens / block_size) * block_size)
 
 
 def main() -> None:
@@ -74,7 +90,24 @@ def main() -> None:
         default="budget",
         help="baseline budget: the demoting run's peak bytes, or that less the step read over the budget",
     )
+    p.add_argument(
+        "--baseline-token-shares",
+        default="",
+        help="comma-separated shares of the text: each baseline at each share of the mean tokens (no dynamic rows)",
+    )
+    p.add_argument("--workloads", default="prose,passkey", help="comma-separated: prose, passkey")
+    p.add_argument(
+        "--int2-value-group",
+        type=int,
+        default=demoted.INT2_VALUE_GROUP,
+        help="channels per value group of int2 demoted copies (a measurement aid: the engine's is INT2_VALUE_GROUP)",
+    )
     args = p.parse_args()
+    demoted.INT2_VALUE_GROUP = args.int2_value_group  # read as each engine makes its int2 format
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    if not workloads or set(workloads) - {"prose", "passkey"}:
+        p.error(f"--workloads: prose and/or passkey, not {args.workloads!r}")
+    shares = [float(x) for x in args.baseline_token_shares.split(",") if x]
     device, env = setup(args)
     loaded = load(args, device)
     t_start = time.perf_counter()
@@ -84,18 +117,19 @@ def main() -> None:
         passkey_item(loaded.tokenizer, args.length, float(d), int(s))
         for d in args.depths.split(",")
         for s in args.seeds.split(",")
+        if "passkey" in workloads
     ]
     dynamic = scaled_dynamic(spec.scale * args.scale)
     bs = dynamic.block_size
     auto_bpt = token_bytes(loaded, "auto", bs)
     result: dict = {**env, "suite": args.suite, "prose_items": len(prose), "passkey_items": len(keys),
                     "passkey_length": args.length, "max_num_batched_tokens": args.max_num_batched_tokens,
-                    "match": args.match,
+                    "match": args.match, "int2_value_group": demoted.INT2_VALUE_GROUP,
                     "dynamic": {k: getattr(dynamic, k) for k in ("base_size", "max_size", "min_recent")}}  # fmt: skip
     full_right: dict[str, list[bool]] = {}  # full@auto's answers, the first run's
     full_mean: dict[str, float] = {}  # full@auto's mean resident bytes per workload
 
-    def run(name: str, policy, kv_cache_dtype: str, workloads: tuple[str, ...] = ("prose", "passkey")) -> dict:
+    def run(name: str, policy, kv_cache_dtype: str, workloads: tuple[str, ...] = workloads) -> dict:
         llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=kv_cache_dtype,
                   kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
         row: dict = result.setdefault(name, {"kv_cache_dtype": kv_cache_dtype})
@@ -127,6 +161,20 @@ def main() -> None:
     run("full@auto", "full", "auto")
     if args.pool_dtype != "auto":
         run(f"full@{args.pool_dtype}", "full", args.pool_dtype)
+    if shares:  # the baselines against the share of the text they keep
+        for dtype in filter(None, args.baseline_dtypes.split(",")):
+            for share in shares:
+                for name in filter(None, args.baselines.split(",")):
+                    for workload in workloads:
+                        tokens = result["full@auto"][f"mean_{workload}_tokens"]
+                        budget = share_budget(share, tokens, bs)
+                        row = run(f"{name}@{dtype}/{share:g}", baseline_policy(dynamic, name, budget), dtype,
+                                  (workload,))  # fmt: skip
+                        row[f"{workload}_budget_tokens"] = budget
+                        row[f"{workload}_budget_share"] = budget / tokens
+        result["seconds"] = round(time.perf_counter() - t_start, 1)
+        report(args, result)
+        return
     run(f"dynamic@{args.pool_dtype}", dynamic, args.pool_dtype)
     demoting = run(f"dynamic+{args.demote}@{args.pool_dtype}", dynamic.replace(demote_dtype=args.demote),
                    args.pool_dtype)  # fmt: skip
@@ -134,7 +182,7 @@ def main() -> None:
         bpt = token_bytes(loaded, dtype, bs)
         budgets = {}
         step = {"prose": dynamic.compact_interval, "passkey": args.max_num_batched_tokens}  # read over the budget
-        for workload in ("prose", "passkey"):
+        for workload in workloads:
             held_peak = demoting[f"{workload}_peak_bytes_vs_full_auto"] * demoting[f"mean_{workload}_tokens"] * auto_bpt
             tokens = held_peak / bpt
             if args.match == "peak":

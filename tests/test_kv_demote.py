@@ -4,8 +4,8 @@ By construction: a pass key (a key one query head looks up, its value distinct) 
 is lost to plain eviction and still found, within int4's error, when the block is demoted. On tiny-random text a
 demoting ``window`` stays far closer to ``full`` than the same window evicting. A recall brings the block back at
 the pool's precision and drops its demoted copy. ``int4`` copies are in the pool's int4 layout (keys per channel
-within the block, values in groups of 32): they round-trip within those codecs' stated error, and the bytes counted
-are the rows held."""
+within the block, values in groups of 32) and ``int2`` copies in the same layout at two bits (KIVI's): they
+round-trip within those codecs' stated error, and the bytes counted are the rows held."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ from confkv.config import CachePolicy
 from confkv.controllers import make_controller
 from confkv.engine.runner import ModelRunner
 from confkv.errors import ConfkvError
+from confkv.kv import demoted as demoted_mod
 from confkv.kv.attention import PackedBatch, confkv_attention
 from confkv.kv.block_table import ON_HOST
 from confkv.kv.demoted import DemotedTier
 from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import ChannelKeyCodec, GroupedInt4Codec, Int4Codec
+from confkv.kv.quant import ChannelKeyCodec, GroupedCodec, Int2Codec, Int4Codec
 from confkv.scoring import ScoreItem, Scorer
 
 from .conftest import fresh_tiny
@@ -78,21 +79,26 @@ def _decode_output(mgr: CacheManager, pool: BlockPool, kv) -> torch.Tensor:
     return out[0, 0, 1]  # [D] of the head that looks the key up
 
 
-def test_a_pass_key_in_a_demoted_block_is_still_found_where_eviction_loses_it() -> None:
+#: Bytes of a demoted token's K and V rows in one layer and KV head at this file's geometry (D 8, block 4): a key
+#: row is its codes and 8 bytes of its block's channel grid (8 scales and 8 zero points, float16, over 4 rows); a
+#: value row its codes and one group's scale and zero point (fp32: 32 bytes each).
+ROWS = {"int4": (D // 2 + 4 * D // BS, D // 2 + 4), "int2": (D // 4 + 4 * D // BS, D // 4 + 4)}
+
+
+@pytest.mark.parametrize(("demote", "rows"), [("int4", (12, 8)), ("int2", (10, 6))])
+def test_a_pass_key_in_a_demoted_block_is_still_found_where_eviction_loses_it(demote: str, rows: tuple) -> None:
     mgr, pool, kv = _scene("none")
     lost = _decode_output(mgr, pool, kv)
     assert abs(float(lost[0])) < 0.5  # evicted: the head finds only noise
 
-    mgr, pool, kv = _scene("int4")
+    mgr, pool, kv = _scene(demote)
     assert mgr.demoted.indices_of(kv.seq_id) == [0, 1, 2, 3]
     found = _decode_output(mgr, pool, kv)
-    assert float(found[0]) == pytest.approx(KEY_VALUE, abs=0.5)  # the key's value, through int4's rounding
+    assert float(found[0]) == pytest.approx(KEY_VALUE, abs=0.5)  # the key's value, through the copies' rounding
     fmt = mgr.demoted.format(kv.seq_id)
-    # a key row: 4 bytes of codes and 8 of its block's channel grid (8 scales and 8 zero points, float16, over 4
-    # rows); a value row: 4 bytes of codes and one group's scale and zero point (fp32: 32 bytes each)
-    assert (fmt.k_row, fmt.v_row) == (D // 2 + 4 * D // BS, D // 2 + 4) == (12, 8)
-    assert mgr.demoted.used_bytes == 4 * BS * fmt.token_bytes(L, KVH) == 4 * BS * L * KVH * (12 + 8)
-    assert mgr.demoted.used_bytes == mgr.demoted.bytes_of(kv.seq_id) == mgr.demoted_block_bytes("int4") * 4
+    assert (fmt.k_row, fmt.v_row) == ROWS[demote] == rows
+    assert mgr.demoted.used_bytes == 4 * BS * fmt.token_bytes(L, KVH) == 4 * BS * L * KVH * sum(rows)
+    assert mgr.demoted.used_bytes == mgr.demoted.bytes_of(kv.seq_id) == mgr.demoted_block_bytes(demote) * 4
 
 
 def test_a_recall_brings_the_block_back_at_full_precision_and_drops_its_copy() -> None:
@@ -135,48 +141,67 @@ def test_a_policy_swap_to_another_demote_dtype_recodes_the_sequences_copies() ->
     values = torch.randn(L, 1, BS, KVH, D)
     mgr.demoted.put(kv.seq_id, [4], values, values, "int2")
     assert mgr.demoted.format(kv.seq_id).name == "int2" and mgr.demoted.indices_of(kv.seq_id) == [0, 1, 2, 3, 4]
-    per_token = {"int4": (D // 2 + 4 * D // BS) + (D // 2 + 4), "int2": 2 * (D // 4 + 4)}  # K and V rows
+    per_token = {name: sum(rows) for name, rows in ROWS.items()}  # K and V rows
     assert before == 4 * L * BS * KVH * per_token["int4"]
     assert mgr.demoted.used_bytes == 5 * L * BS * KVH * per_token["int2"]
     assert float(_decode_output(mgr, pool, kv)[0]) == pytest.approx(KEY_VALUE, abs=0.5)  # still found at int2
 
 
-def test_int4_copies_round_trip_in_the_pools_int4_layout_within_its_codecs_error() -> None:
+@pytest.mark.parametrize(("demote", "bits", "rows"), [("int4", 4, (48, 40)), ("int2", 2, (32, 32))])
+def test_copies_round_trip_in_kivis_layout_within_its_codecs_error(demote: str, bits: int, rows: tuple) -> None:
     """smollm2's geometry (head_dim 64, block 16): blocks demoted, gathered as attention reads them (several blocks
     stacked, so the key grid must be split back into blocks) and decoded, within ``ChannelKeyCodec``'s and
-    ``GroupedInt4Codec``'s stated error; keys with outlier channels (as RoPE'd keys have) keep their small channels
-    far finer than one grid a row would, and the bytes held are the rows' own."""
+    ``GroupedCodec``'s stated error at the copies' bits; keys with outlier channels (as RoPE'd keys have) keep their
+    small channels far finer than one grid a row would, and the bytes held are the rows' own: at int4 the pool's rows,
+    at int2 16 bytes of key codes and 16 of the block's grid, and per value group of 16, 4 of codes and 4 of grid."""
     layers, kvh, dim, bs, n = 2, 3, 64, 16, 5
     g = torch.Generator().manual_seed(1)
     k = torch.randn(layers, n, bs, kvh, dim, generator=g)
     k[..., :4] *= 30.0  # outlier channels
     v = torch.randn(layers, n, bs, kvh, dim, generator=g)
     tier = DemotedTier(bs, torch.device("cpu"), dim)
-    tier.put(7, [1, 3, 4, 6, 9], k, v, "int4")
+    tier.put(7, [1, 3, 4, 6, 9], k, v, demote)
     d = tier.gather(7, 10 * bs)
     assert d is not None and d.pos.tolist() == [i * bs + t for i in (1, 3, 4, 6, 9) for t in range(bs)]
     fmt = tier.format(7)
     k_back = fmt.decode_k(d.k, torch.float32).reshape(k.shape[0], n, bs, kvh, dim)
     v_back = fmt.decode_v(d.v, torch.float32).reshape(v.shape)
     k_err, v_err = (k_back - k).abs(), (v_back - v).abs()
-    assert bool((k_err <= ChannelKeyCodec(dim, bs).max_error(k)).all())
-    assert bool((v_err <= GroupedInt4Codec().max_error(v)).all())
-    per_row = (k - Int4Codec().decode(Int4Codec().encode(k), torch.float32)).abs()
+    assert bool((k_err <= ChannelKeyCodec(dim, bs, bits).max_error(k)).all())
+    group = GroupedCodec.GROUP if bits == 4 else demoted_mod.INT2_VALUE_GROUP
+    assert bool((v_err <= GroupedCodec(bits, group).max_error(v)).all())
+    assert float(v_err.max()) > 0  # the values did go through the codec
+    row = Int4Codec() if bits == 4 else Int2Codec()  # one grid a row, keys and values alike
+    per_row = (k - row.decode(row.encode(k), torch.float32)).abs()
     assert float(k_err[..., 4:].mean()) < 0.1 * float(per_row[..., 4:].mean())  # the outliers set only their own step
-    assert (fmt.k_row, fmt.v_row) == (48, 40)  # the pool's int4 rows at this geometry (fp32: 256 each)
-    assert tier.used_bytes == d.k.nbytes + d.v.nbytes == n * bs * layers * kvh * (48 + 40)
+    assert (fmt.k_row, fmt.v_row) == rows  # fp32: 256 each
+    assert fmt.token_bytes(layers, kvh) == layers * kvh * sum(rows)
+    assert tier.used_bytes == d.k.nbytes + d.v.nbytes == n * bs * fmt.token_bytes(layers, kvh)
     tier.drop(7, [3, 9])
-    assert tier.used_bytes == 3 * bs * layers * kvh * (48 + 40) and tier.indices_of(7) == [1, 4, 6]
+    assert tier.used_bytes == 3 * bs * layers * kvh * sum(rows) and tier.indices_of(7) == [1, 4, 6]
     tier.drop_sequence(7)
-    assert tier.used_bytes == 0 and tier.peak_bytes == n * bs * layers * kvh * (48 + 40)
+    assert tier.used_bytes == 0 and tier.peak_bytes == n * bs * layers * kvh * sum(rows)
 
 
-def test_a_block_size_int4_keys_cannot_lay_out_is_refused_where_a_policy_demotes_to_it() -> None:
-    """4 x head_dim bytes of a block's key grid must spread evenly over its rows: tiny-random's head_dim 16 at
-    block 24 cannot; an engine that does not demote still runs at that block size."""
+def test_int2_value_groups_of_16_hold_to_their_own_error_and_bytes() -> None:
+    """The other value group measured for int2 copies: 16 channels a grid, 4 bytes of codes and 4 of grid each."""
+    v = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.2, 5.0, 64)
+    for group, width in ((16, 32), (32, 24)):
+        codec = GroupedCodec(bits=2, group=group)
+        rows = codec.encode(v)
+        assert rows.shape == (3, 16, width) == (3, 16, codec.row_bytes(64))
+        assert bool(((codec.decode(rows, torch.float32) - v).abs() <= codec.max_error(v)).all())
+    with pytest.raises(ValueError, match="4 or 2 bits"):
+        GroupedCodec(bits=3)
+
+
+@pytest.mark.parametrize("demote", ["int4", "int2"])
+def test_a_block_size_the_key_grid_cannot_lay_out_is_refused_where_a_policy_demotes_to_it(demote: str) -> None:
+    """4 x head_dim bytes of a block's key grid must spread evenly over its rows (at int4 and int2 alike):
+    tiny-random's head_dim 16 at block 24 cannot; an engine that does not demote still runs at that block size."""
     with pytest.raises(ValueError, match="block size 24"):
-        DemotedTier(24, torch.device("cpu"), 16).format_named("int4")
+        DemotedTier(24, torch.device("cpu"), 16).format_named(demote)
     with pytest.raises(ConfkvError, match="demote_dtype") as err:
-        LLM("tiny-random", "window", loaded=fresh_tiny(), block_size=24, demote_dtype="int4")
+        LLM("tiny-random", "window", loaded=fresh_tiny(), block_size=24, demote_dtype=demote)
     assert "\n" not in str(err.value)
-    LLM("tiny-random", "window", loaded=fresh_tiny(), block_size=24, demote_dtype="int2")
+    LLM("tiny-random", "window", loaded=fresh_tiny(), block_size=24)

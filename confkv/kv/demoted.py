@@ -9,12 +9,15 @@ drops the full-precision block: they are then all that is left.
 
 ``int4`` copies are in the pool's own int4 layout (``confkv/kv/quant.py``, KIVI): keys per channel within the block
 (``ChannelKeyCodec``; a demoted copy is a whole block, so its grid spans all its tokens) and values per token in
-groups of 32 channels (``GroupedInt4Codec``). One int4 grid per row for keys and values alike, the layout used before
+groups of 32 channels (``GroupedCodec``). One int4 grid per row for keys and values alike, the layout used before
 (2026-12-07, eighth session), costs +16% perplexity on smollm2 with every token in it against +1.24% for this one
-(docs/kv-dtypes.md). ``int2`` copies keep one grid per row (``Int2Codec``).
+(docs/kv-dtypes.md). ``int2`` copies are KIVI's 2-bit layout, the same two codecs at ``bits=2``: keys per channel
+within the block, values per token in groups of ``INT2_VALUE_GROUP`` channels (until the ninth session, 2026-12-07,
+one int2 grid a row for keys and values alike).
 
-The copies live outside the preallocated pool, one small tensor per block (``int4``: 88 bytes for a token's K and V
-rows in one layer and KV head at head_dim 64 and block 16, against 512 in float32); ``used_bytes`` counts them, the
+The copies live outside the preallocated pool, one small tensor per block (at head_dim 64 and block 16, a token's K
+and V rows in one layer and KV head: ``int4`` 48 + 40 = 88 bytes, ``int2`` 32 + 32 = 64, against 512 in float32;
+``token_bytes`` is the rows' own width); ``used_bytes`` counts them, the
 engine reports them beside the pool's bytes, and the pool counts them against its budget
 (``BlockPool.count_outside``), so admission and preemption see them.
 """
@@ -25,12 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv.kv.quant import ChannelKeyCodec, Int2Codec, KVCodec, KVFormat
+from confkv.kv.quant import ChannelKeyCodec, GroupedCodec, KVCodec, KVFormat
 
 BlockKey = tuple[int, int]  # (sequence id, logical block index)
 
 #: The ``demote_dtype`` values that keep a copy (``none`` keeps none).
 DEMOTE_DTYPES: tuple[str, ...] = ("int4", "int2")
+#: Channels per value group of an ``int2`` copy (a scale and zero point each; the int4 pool's values use 32). 16
+#: measured better than 32 for its bytes on 3,000-token prose (+5.14% against +5.48% perplexity, 64 bytes a token's
+#: K and V rows against 56; ``benchmarks/demote_bytes.py --int2-value-group``, docs/kv-dtypes.md, ninth session).
+INT2_VALUE_GROUP = 16
 
 
 @dataclass
@@ -58,8 +65,9 @@ class DemoteFormat:
             pool_int4 = KVFormat("int4", head_dim, block_size, torch.float32)
             assert pool_int4.k_codec is not None and pool_int4.v_codec is not None
             self.k_codec, self.v_codec = pool_int4.k_codec, pool_int4.v_codec
-        elif name == "int2":
-            self.k_codec = self.v_codec = Int2Codec()
+        elif name == "int2":  # KIVI's 2-bit layout: the same two codecs at two bits
+            self.k_codec = ChannelKeyCodec(head_dim, block_size, bits=2)
+            self.v_codec = GroupedCodec(bits=2, group=INT2_VALUE_GROUP)
         else:
             raise ValueError(f"unknown demote_dtype {name!r}: choose one of {', '.join(DEMOTE_DTYPES)}")
         self.k_row = self.k_codec.row_bytes(head_dim)

@@ -37,7 +37,7 @@ import torch
 
 from confkv.config import cache_root
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import ChannelKeyCodec, Fp8Codec, GroupedInt4Codec, Int8Codec
+from confkv.kv.quant import ChannelKeyCodec, Fp8Codec, GroupedCodec, Int8Codec
 from confkv.progress import stage
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _format(pool: BlockPool) -> int | None:
         return _INT8
     if isinstance(v, Fp8Codec) and isinstance(k, Fp8Codec):
         return _FP8
-    if isinstance(v, GroupedInt4Codec) and isinstance(k, ChannelKeyCodec):
+    if isinstance(v, GroupedCodec) and isinstance(k, ChannelKeyCodec) and v.bits == k.bits == 4:
         return _INT4
     return None
 

@@ -11,13 +11,13 @@ dtype    data                                         scale bytes               
 int8     ``round(x / s)`` in -127..127, one a byte     ``s = absmax / 127``, float16   66 (fp32: 256)
 fp8      ``x / s`` as ``float8_e4m3fn``               ``s = absmax / 448``, float16   66
 int4     ``round((x - m) / s)`` in 0..15, two a byte  ``s = (max - m) / 15``, ``m``   V 40, K 48 (block 16)
-int2     ``round((x - m) / s)`` in 0..3, four a byte  ``s = (max - m) / 3``, ``m``    20 (demoted blocks only)
+int2     ``round((x - m) / s)`` in 0..3, four a byte  ``s = (max - m) / 3``, ``m``    V 32, K 32 (demoted only)
 =======  ===========================================  ==============================  =====================
 
-The pool's int4 is KIVI's layout: values per token in groups of 32 channels (``GroupedInt4Codec``, a grid per
-group), keys per channel within a block (``ChannelKeyCodec``, a grid per channel over the block's tokens, spread over
-its rows). Demoted blocks (``confkv/kv/demoted.py``) use the same two at int4, and ``Int2Codec`` (one grid per row,
-keys and values alike) at int2.
+The pool's int4 is KIVI's layout: values per token in groups of 32 channels (``GroupedCodec``, a grid per group),
+keys per channel within a block (``ChannelKeyCodec``, a grid per channel over the block's tokens, spread over its
+rows). Demoted blocks (``confkv/kv/demoted.py``) use the same layout at int4 and at int2 (``bits=2``: four levels,
+KIVI's 2-bit layout, values in groups of 16); int2 is never the pool's own dtype.
 
 int4 is asymmetric (a zero point ``m``, the minimum): at 16 levels a symmetric grid wastes one level and, on a row
 whose values lean to one side, half of the others. Scales are kept in float16, rounded before the data are
@@ -75,12 +75,33 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return w.view(torch.uint8)  # little-endian: the low byte (the first code) comes first
 
 
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[..., n]`` (bytes, each below ``2**bits``) -> bytes ``[..., n * bits / 8]``, ``8 // bits`` codes a
+    byte, the first in the low bits."""
+    per = 8 // bits
+    q = q.reshape(*q.shape[:-1], -1, per)
+    packed = q[..., 0]
+    for j in range(1, per):
+        packed = packed | (q[..., j] << (bits * j))
+    return packed
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of ``_pack``: bytes ``[..., n]`` -> codes ``[..., n * 8 / bits]`` as bytes."""
+    if bits == 4:
+        return _nibbles(packed)
+    packed = packed.contiguous()
+    mask = (1 << bits) - 1
+    parts = [(packed >> (bits * j)) & mask for j in range(8 // bits)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
+
+
 class KVCodec:
     """One quantised KV format: ``encode`` float rows ``[..., head_dim]`` into bytes ``[..., row_bytes]``."""
 
-    name: ClassVar[str]
+    name: str
     #: Bits of data per element (what the format costs, scales aside).
-    bits: ClassVar[int]
+    bits: int
     #: Bytes of scale (and zero point) per row.
     extra_bytes: ClassVar[int]
 
@@ -175,21 +196,11 @@ class _AsymmetricCodec(KVCodec):
             raise ValueError(f"{self.name} KV packs {per} values a byte: head_dim {x.shape[-1]} is not a multiple")
         s, lo = self._grid(x)
         q = ((x.float() - lo) / s.clamp_min(_TINY)).round_().clamp_(0, self._levels).to(torch.uint8)
-        q = q.reshape(*q.shape[:-1], -1, per)
-        packed = q[..., 0]
-        for j in range(1, per):
-            packed = packed | (q[..., j] << (self.bits * j))
-        return torch.cat([packed, _f16(s), _f16(lo)], dim=-1)
+        return torch.cat([_pack(q, self.bits), _f16(s), _f16(lo)], dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         d = rows.shape[-1] - 4
-        if self.bits == 4:
-            q = _nibbles(rows[..., :d])
-        else:
-            packed = rows[..., :d].contiguous()
-            parts = [packed & self._levels]
-            parts += [(packed >> (self.bits * j)) & self._levels for j in range(1, 8 // self.bits)]
-            q = torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], d * (8 // self.bits))
+        q = _unpack(rows[..., :d], self.bits)
         return torch.mul(q, from_f16(rows[..., d : d + 2])).add_(from_f16(rows[..., d + 2 :])).to(dtype)
 
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,79 +220,91 @@ class Int4Codec(_AsymmetricCodec):
     bits = 4
 
 
-class GroupedInt4Codec(KVCodec):
-    """int4 values per token in groups of 32 channels, each group its own scale and zero point (``Int4Codec`` rows
-    of 32 values side by side): the pool's int4 values. One grid per 64-channel row cost +1.04% perplexity on smollm2
-    with everything else exact, groups of 32 +0.40% (``benchmarks/int4_ablation.py``), for 4 more bytes a row."""
-
-    name = "int4"
-    bits = 4
-    GROUP = 32
-    _ROW = Int4Codec()
-
-    def _group(self, head_dim: int) -> int:
-        return min(self.GROUP, head_dim)
-
-    def row_bytes(self, head_dim: int) -> int:
-        g = self._group(head_dim)
-        return head_dim // g * self._ROW.row_bytes(g)
-
-    def _split(self, x: torch.Tensor) -> torch.Tensor:
-        g = self._group(x.shape[-1])
-        if x.shape[-1] % g:
-            raise ValueError(f"int4 values in groups of {g}: head_dim {x.shape[-1]} is not a multiple")
-        return x.reshape(*x.shape[:-1], -1, g)
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._ROW.encode(self._split(x))  # [..., groups, g/2 + 4]
-        return packed.reshape(*x.shape[:-1], -1)
-
-    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # a row of G groups is G * (g/2 + 4) bytes: g = 32 unless head_dim is smaller (then one group)
-        per = self._ROW.row_bytes(self.GROUP)
-        groups = rows.shape[-1] // per if rows.shape[-1] % per == 0 else 1
-        out = self._ROW.decode(rows.reshape(*rows.shape[:-1], groups, -1), dtype)
-        return out.reshape(*rows.shape[:-1], -1)
-
-    def max_error(self, x: torch.Tensor) -> torch.Tensor:
-        xs = self._split(x)
-        return self._ROW.max_error(xs).expand(xs.shape).reshape(x.shape)
-
-
 class Int2Codec(_AsymmetricCodec):
-    """Four levels: only for demoted blocks (``demote_dtype: int2``), never the pool's own dtype."""
+    """Four levels, one grid a row: the rows of ``GroupedCodec(bits=2)``'s groups (demoted copies' int2 values)."""
 
     name = "int2"
     bits = 2
 
 
+class GroupedCodec(KVCodec):
+    """Values per token in groups of ``group`` channels at ``bits`` (4 or 2), each group its own scale and zero point
+    (``Int4Codec`` or ``Int2Codec`` rows of ``group`` values side by side): the pool's int4 values (``bits=4``,
+    ``group=32``) and demoted copies' int2 values. One grid per 64-channel row cost +1.04% perplexity on smollm2
+    with everything else exact, groups of 32 +0.40% (``benchmarks/int4_ablation.py``), for 4 more bytes a row."""
+
+    GROUP = 32
+
+    def __init__(self, bits: int = 4, group: int = GROUP) -> None:
+        rows: dict[int, _AsymmetricCodec] = {4: Int4Codec(), 2: Int2Codec()}
+        if bits not in rows:
+            raise ValueError(f"values in groups: 4 or 2 bits, not {bits}")
+        self.bits = bits
+        self.name = f"int{bits}"
+        self.group = group
+        self._row = rows[bits]
+
+    def _group(self, head_dim: int) -> int:
+        return min(self.group, head_dim)
+
+    def row_bytes(self, head_dim: int) -> int:
+        g = self._group(head_dim)
+        return head_dim // g * self._row.row_bytes(g)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        g = self._group(x.shape[-1])
+        if x.shape[-1] % g:
+            raise ValueError(f"{self.name} values in groups of {g}: head_dim {x.shape[-1]} is not a multiple")
+        return x.reshape(*x.shape[:-1], -1, g)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._row.encode(self._split(x))  # [..., groups, g * bits / 8 + 4]
+        return packed.reshape(*x.shape[:-1], -1)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # a row of G groups is G * (group * bits / 8 + 4) bytes, unless head_dim is below the group (then one group,
+        # narrower than a whole group's bytes)
+        per = self._row.row_bytes(self.group)
+        groups = rows.shape[-1] // per if rows.shape[-1] % per == 0 else 1
+        out = self._row.decode(rows.reshape(*rows.shape[:-1], groups, -1), dtype)
+        return out.reshape(*rows.shape[:-1], -1)
+
+    def max_error(self, x: torch.Tensor) -> torch.Tensor:
+        xs = self._split(x)
+        return self._row.max_error(xs).expand(xs.shape).reshape(x.shape)
+
+
 class ChannelKeyCodec:
-    """int4 keys per channel within a block (KIVI, 2024): each channel of a block's keys gets its own scale and
-    zero point over the block's tokens, so an outlier channel (RoPE'd keys have several) sets only its own range.
+    """Keys per channel within a block (KIVI, 2024), at ``bits`` 4 (the pool's int4) or 2 (demoted int2 copies):
+    each channel of a block's keys gets its own scale and zero point over the block's tokens, so an outlier channel
+    (RoPE'd keys have several) sets only its own range.
 
     Per-token int4 keys cost +16% perplexity on smollm2 (docs/kv-dtypes.md); the outliers are per channel, so a row's
     one range serves its small channels badly. A block's ``head_dim`` scales and zero points (float16, ``4 *
     head_dim`` bytes) are spread over its ``block_size`` rows, ``4 * head_dim / block_size`` bytes each, so a block
     is still its rows and moves between tiers as the same bytes. At head_dim 64 and block 16 a key row is 48 bytes
-    (32 of data). ``filled`` (the rows written so far) limits the range to real tokens while a block is open: the
-    pool re-encodes an open block from its float copy as it fills (``confkv/kv/pool.py``).
+    at int4 (32 of data), 32 at int2 (16 of data). ``filled`` (the rows written so far) limits the range to real
+    tokens while a block is open: the pool re-encodes an open block from its float copy as it fills
+    (``confkv/kv/pool.py``).
     """
 
-    name = "int4"
-    bits = 4
-    _LEVELS = 15
-
-    def __init__(self, head_dim: int, block_size: int) -> None:
-        if head_dim % 2 or (4 * head_dim) % block_size:
+    def __init__(self, head_dim: int, block_size: int, bits: int = 4) -> None:
+        if bits not in (4, 2):
+            raise ValueError(f"keys per channel: 4 or 2 bits, not {bits}")
+        per = 8 // bits
+        if head_dim % per or (4 * head_dim) % block_size:
             raise ValueError(
-                f"int4 keys per channel: head_dim {head_dim} must be even and 4 x head_dim a multiple of the block "
-                f"size {block_size}"
+                f"int{bits} keys per channel: head_dim {head_dim} must be a multiple of {per} and 4 x head_dim a "
+                f"multiple of the block size {block_size}"
             )
+        self.name = f"int{bits}"
+        self.bits = bits
+        self._levels = (1 << bits) - 1
         self.head_dim = head_dim
         self.block_size = block_size
 
     def row_bytes(self, head_dim: int | None = None) -> int:
-        return self.head_dim // 2 + 4 * self.head_dim // self.block_size
+        return self.head_dim * self.bits // 8 + 4 * self.head_dim // self.block_size
 
     def _grid(self, x: torch.Tensor, filled: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero point ``[..., 1, kvh, D]`` of blocks ``x`` ``[..., bs, kvh, D]`` over their first
@@ -296,34 +319,34 @@ class ChannelKeyCodec:
         hi = hi_in.amax(-3, keepdim=True)
         empty = ~torch.isfinite(lo) & ~torch.isfinite(hi) & (lo > hi)  # no row yet: a zero grid
         lo = lo.masked_fill(empty, 0.0).to(_SCALE).float()
-        s = ((hi.masked_fill(empty, 0.0) - lo) / self._LEVELS).to(_SCALE).float()
+        s = ((hi.masked_fill(empty, 0.0) - lo) / self._levels).to(_SCALE).float()
         return s, lo
 
     def encode(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks of keys ``[..., block_size, kv_heads, head_dim]`` -> rows ``[..., block_size, kv_heads, row]``."""
         bs, d = self.block_size, self.head_dim
         s, lo = self._grid(x, filled)
-        q = ((x.float() - lo) / s.clamp_min(_TINY)).round_().clamp_(0, self._LEVELS).to(torch.uint8)
-        q = q.reshape(*q.shape[:-1], d // 2, 2)
-        packed = q[..., 0] | (q[..., 1] << 4)
+        q = ((x.float() - lo) / s.clamp_min(_TINY)).round_().clamp_(0, self._levels).to(torch.uint8)
+        packed = _pack(q, self.bits)
         grid = torch.cat([s, lo], dim=-1).squeeze(-3).to(_SCALE).contiguous().view(torch.uint8)  # [..., kvh, 4D]
         grid = grid.reshape(*grid.shape[:-1], bs, 4 * d // bs).transpose(-2, -3)  # [..., bs, kvh, 4D/bs]
         return torch.cat([packed, grid], dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``[..., block_size, kv_heads, row]`` (whole blocks) -> keys ``[..., block_size, kv_heads, D]``."""
-        d = self.head_dim
-        packed = rows[..., : d // 2]
-        grid = rows[..., d // 2 :].transpose(-2, -3).contiguous()  # [..., kvh, bs, 4D/bs]
+        d, data = self.head_dim, self.head_dim * self.bits // 8
+        packed = rows[..., :data]
+        grid = rows[..., data:].transpose(-2, -3).contiguous()  # [..., kvh, bs, 4D/bs]
         grid = grid.reshape(*grid.shape[:-2], 4 * d).view(_SCALE).float().unsqueeze(-3)  # [..., 1, kvh, 2D]
-        return torch.mul(_nibbles(packed), grid[..., :d]).add_(grid[..., d:]).to(dtype)
+        return torch.mul(_unpack(packed, self.bits), grid[..., :d]).add_(grid[..., d:]).to(dtype)
 
     def max_error(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
         """Half a step of each channel's grid plus float16 rounding of its zero point, for the filled rows."""
         s, lo = self._grid(x, filled)
         xf = x.float()
         real_lo = xf.amin(-3, keepdim=True) if filled is None else lo
-        return s * 0.5 + (real_lo - lo).abs() + 16 * s * 2**-10 + xf.abs().amax(-3, keepdim=True) * 2**-10
+        steps = (self._levels + 1) * s * 2**-10
+        return s * 0.5 + (real_lo - lo).abs() + steps + xf.abs().amax(-3, keepdim=True) * 2**-10
 
 
 class KVFormat:
@@ -404,7 +427,7 @@ class KVFormat:
         return other.encode_k(kf.to(other.compute_dtype), filled), other.encode_v(vf.to(other.compute_dtype))
 
 
-_CODECS: dict[str, type[KVCodec]] = {c.name: c for c in (Int8Codec, Fp8Codec, GroupedInt4Codec)}
+_CODECS: dict[str, type[KVCodec]] = {"int8": Int8Codec, "fp8": Fp8Codec, "int4": GroupedCodec}
 #: A session record's dtype for each quantised ``kv_cache_dtype``. int4 is ``kv-int4c`` (keys per channel): the
 #: earlier per-token int4 rows, recorded as ``kv-int4``, are foreign to it.
 RECORD_DTYPES: dict[str, str] = {"int8": "kv-int8", "fp8": "kv-fp8", "int4": "kv-int4c"}
