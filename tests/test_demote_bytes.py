@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def script() -> ModuleType:
-    """The script as a module (it imports its siblings, so ``benchmarks/`` is on the path only while it loads)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module("demote_bytes")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+from tests.bench_scripts import ROOT, bench_script
 
 
 def test_a_share_of_the_text_is_a_budget_to_the_nearest_block() -> None:
-    share_budget = script().share_budget
+    share_budget = bench_script("demote_bytes").share_budget
     assert share_budget(0.42, 3000, 16) == 1264  # 1,260 tokens: 78.75 blocks
     assert share_budget(0.77, 3000, 16) == 2304
     assert share_budget(0.01, 3000, 16) == 32  # at least two blocks

@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def ablation() -> ModuleType:
-    """The script as a module (it imports its siblings, so ``benchmarks/`` is on the path only while it loads)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module("fp8_ablation")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+from tests.bench_scripts import ROOT, bench_script
 
 
 def test_three_mantissa_bits_round_as_e4m3_in_its_normal_range() -> None:
-    mantissa_round = ablation().mantissa_round
+    mantissa_round = bench_script("fp8_ablation").mantissa_round
     x = torch.randn(4096) * 20
     x = x[(x.abs() > 2**-6) & (x.abs() < 448)]
     assert torch.equal(mantissa_round(x, 3), x.to(torch.float8_e4m3fn).float())
@@ -32,7 +20,7 @@ def test_three_mantissa_bits_round_as_e4m3_in_its_normal_range() -> None:
 
 
 def test_rotation_is_orthonormal_and_undone() -> None:
-    mod = ablation()
+    mod = bench_script("fp8_ablation")
     h = mod.hadamard(64)
     assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6)
     x = torch.randn(5, 3, 64)

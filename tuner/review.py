@@ -82,7 +82,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                  for item in args.policy}}  # fmt: skip
     with maybe_run(args, f"compare-{args.model}-{args.workload}-{args.split}", params, "compare"):
         rows = []
-        given = {item.partition("=")[0] for item in args.policy}
+        given = [item.partition("=")[0] for item in args.policy]
         per_episode: dict[str, list[dict[str, Any]]] = {}
         decisions: dict[str, list[dict[str, float]]] = {}
         with stage("compare", total=len(named), unit="policies") as progress:
@@ -100,8 +100,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                       file=sys.stderr)  # fmt: skip
                 progress.update(1)
         policies = dict(named)
-        named_order = [n for n, _ in named if n in given]
-        checks = state_dependence(data, args, policies, decisions, per_episode, rows, named_order)
+        checks = state_dependence(data, args, policies, decisions, per_episode, rows, given)
         fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
         pct = lambda v: None if v is None else 100 * v  # noqa: E731
         lines = [

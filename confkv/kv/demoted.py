@@ -59,11 +59,11 @@ class DemoteFormat:
     def __init__(self, name: str, head_dim: int, block_size: int) -> None:
         self.name = name
         self.block_size = block_size
-        self.k_codec: KVCodec | ChannelKeyCodec
+        self.k_codec: ChannelKeyCodec
         self.v_codec: KVCodec
         if name == "int4":  # the pool's own int4 codecs, taken from its format so the two layouts cannot drift
             pool_int4 = KVFormat("int4", head_dim, block_size, torch.float32)
-            assert pool_int4.k_codec is not None and pool_int4.v_codec is not None
+            assert isinstance(pool_int4.k_codec, ChannelKeyCodec) and pool_int4.v_codec is not None
             self.k_codec, self.v_codec = pool_int4.k_codec, pool_int4.v_codec
         elif name == "int2":  # KIVI's 2-bit layout: the same two codecs at two bits
             self.k_codec = ChannelKeyCodec(head_dim, block_size, bits=2)
@@ -87,9 +87,8 @@ class DemoteFormat:
 
     def decode_k(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``[..., tokens, kv_heads, k_row]`` of whole blocks in order (zero rows of padding decode to zeros)
-        -> keys ``[..., tokens, kv_heads, head_dim]``."""
-        if not isinstance(self.k_codec, ChannelKeyCodec):
-            return self.k_codec.decode(rows, dtype)
+        -> keys ``[..., tokens, kv_heads, head_dim]``: the key grid spans a block, so the tokens are split back into
+        blocks to decode."""
         *lead, tokens, kvh, row = rows.shape
         blocks = rows.reshape(*lead, tokens // self.block_size, self.block_size, kvh, row)
         return self.k_codec.decode(blocks, dtype).reshape(*lead, tokens, kvh, -1)
