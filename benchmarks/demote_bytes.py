@@ -33,6 +33,16 @@ same for every row: a pass-key prompt is read in chunks of at most that many tok
 each baseline's budget is that share of the workload's mean tokens (rounded to a block), no ``dynamic`` row runs, and
 the rows are named ``NAME@DTYPE/SHARE``. It answers where a fixed baseline at a dtype starts to lose to dropping
 text, which is where demotion at the same bytes can be ahead of it. ``--workloads prose`` skips the pass keys.
+
+``--prose-n N`` draws N held-out prose items at the suite's prose length instead of the suite's count, through the
+suite's own code, skipping draws that share more text with a kept item than the suite's own items share with each
+other (``confkv.bench.prose_draw``); ``--prose-items`` still takes the first ones of those.
+
+Paired comparison (``paired`` in the JSON, a table after the report): each row keeps its per-item prose sums and
+per-key answers, and is paired with the demoting row on the same items (``confkv.bench.paired``): its perplexity
+minus demotion's in points of ``full@auto``'s, with a 95% bootstrap interval over the prose items, and the keys it
+answers that demotion does not and the reverse.
+
 ``--int2-value-group`` sets the channels per value group of ``int2`` copies
 (``confkv.kv.demoted.INT2_VALUE_GROUP``), to choose it by measurement.
 """
@@ -45,9 +55,10 @@ import time
 from common import load, parser, report, setup
 
 from confkv import LLM, SamplingParams
-from confkv.bench.evaluator import build_workloads
 from confkv.bench.memory import token_bytes
+from confkv.bench.paired import item_sums, pair_rows, paired_table
 from confkv.bench.passkey import passkey_item
+from confkv.bench.prose_draw import draw_prose, max_overlap
 from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
 from confkv.kv import demoted
 
@@ -82,6 +93,9 @@ def main() -> None:
     p.add_argument("--depths", default="0.1,0.5")
     p.add_argument("--seeds", default="11,12")
     p.add_argument("--prose-items", type=int, default=None, help="at most this many of the suite's prose items")
+    p.add_argument(
+        "--prose-n", type=int, default=None, help="draw this many held-out prose items (default: the suite's count)"
+    )
     p.add_argument("--kv-cache-memory", default="256MiB", help="each engine's pool (long texts: room for all at once)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the engine's tokens per step, every row")
     p.add_argument(
@@ -112,17 +126,16 @@ def main() -> None:
     loaded = load(args, device)
     t_start = time.perf_counter()
     spec = suite_spec(args.model, args.suite)
-    prose = build_workloads(loaded.tokenizer, spec, "heldout", 0).prose[: args.prose_items]
-    keys = [
-        passkey_item(loaded.tokenizer, args.length, float(d), int(s))
-        for d in args.depths.split(",")
-        for s in args.seeds.split(",")
-        if "passkey" in workloads
-    ]
+    drawn, overlap_limit = draw_prose(loaded.tokenizer, spec, args.prose_n or spec.prose["n"])
+    prose = drawn[: args.prose_items]
+    key_ids = [(d, s) for d in args.depths.split(",") for s in args.seeds.split(",") if "passkey" in workloads]
+    keys = [passkey_item(loaded.tokenizer, args.length, float(d), int(s)) for d, s in key_ids]
     dynamic = scaled_dynamic(spec.scale * args.scale)
     bs = dynamic.block_size
     auto_bpt = token_bytes(loaded, "auto", bs)
     result: dict = {**env, "suite": args.suite, "prose_items": len(prose), "passkey_items": len(keys),
+                    "prose_item_ids": [it.item_id for it in prose], "prose_overlap_max": max_overlap(prose),
+                    "prose_overlap_limit": overlap_limit, "passkey_item_ids": [f"{d}/{s}" for d, s in key_ids],
                     "passkey_length": args.length, "max_num_batched_tokens": args.max_num_batched_tokens,
                     "match": args.match, "int2_value_group": demoted.INT2_VALUE_GROUP,
                     "dynamic": {k: getattr(dynamic, k) for k in ("base_size", "max_size", "min_recent")}}  # fmt: skip
@@ -136,8 +149,8 @@ def main() -> None:
         row["max_num_batched_tokens"] = llm.engine.scheduler.max_num_batched_tokens  # what the engine was given
         if "prose" in workloads:
             scored = llm.score([list(it.prompt_ids) for it in prose], [max(1, it.score_from or 1) for it in prose])
-            nll = [float(-lp) for r in scored for lp in r.token_logprobs]
-            row["ppl"] = math.exp(sum(nll) / len(nll))
+            row["prose_nll"], row["prose_tokens"] = item_sums([r.token_logprobs for r in scored])
+            row["ppl"] = math.exp(sum(row["prose_nll"]) / sum(row["prose_tokens"]))
             if name != "full@auto":
                 row["ppl_delta_pct"] = 100 * (row["ppl"] / result["full@auto"]["ppl"] - 1)
             h = held(scored, auto_bpt)
@@ -149,6 +162,7 @@ def main() -> None:
             answers = llm.generate([it.prompt for it in keys], SamplingParams(max_tokens=8))
             right = [it.correct(o.text) for it, o in zip(keys, answers, strict=True)]
             full_right.setdefault("right", right)
+            row["passkey_items"] = right
             row["passkey_right"] = sum(right)
             row["passkey_as_full"] = sum(a == b for a, b in zip(right, full_right["right"], strict=True))
             h = held(answers, auto_bpt)
@@ -176,8 +190,8 @@ def main() -> None:
         report(args, result)
         return
     run(f"dynamic@{args.pool_dtype}", dynamic, args.pool_dtype)
-    demoting = run(f"dynamic+{args.demote}@{args.pool_dtype}", dynamic.replace(demote_dtype=args.demote),
-                   args.pool_dtype)  # fmt: skip
+    demoting_name = f"dynamic+{args.demote}@{args.pool_dtype}"
+    demoting = run(demoting_name, dynamic.replace(demote_dtype=args.demote), args.pool_dtype)
     for dtype in filter(None, args.baseline_dtypes.split(",")):
         bpt = token_bytes(loaded, dtype, bs)
         budgets = {}
@@ -193,8 +207,12 @@ def main() -> None:
             for workload, budget in budgets.items():  # each workload its own budget, so its own engine
                 row = run(f"{name}@{dtype}", baseline_policy(dynamic, name, budget), dtype, (workload,))
                 row[f"{workload}_budget_tokens"] = budget
+    rows = {k: v for k, v in result.items() if isinstance(v, dict) and "kv_cache_dtype" in v}
+    result["paired"] = {"against": demoting_name, "rows": pair_rows(rows, demoting_name)}
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     report(args, result)
+    if not args.json:
+        print(paired_table(result["paired"]["rows"], demoting_name))
 
 
 if __name__ == "__main__":

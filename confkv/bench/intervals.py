@@ -7,11 +7,16 @@ Two sources of uncertainty, two methods:
 * **a ratio of requests/s** (a row against ``full`` on demand) is bounded by the two means' 97.5% t-intervals
   (Bonferroni: both hold together with at least 95%, so the ratio lies within [low_a / high_b, high_a / low_b]);
 * **the resident KV share** is a per-request figure: a bootstrap over the run's requests (1,000 resamples).
+
+``paired_items`` is the same percentile bootstrap for a statistic of several rows measured on the same items (issue
+35: a row's perplexity against another's on the same prose): each resample draws item indices, and every row's
+figure is recomputed on those same items, so what the items share cancels out of the interval.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 from scipy import stats
@@ -45,3 +50,19 @@ def bootstrap_mean(values: list[float], seed: int = 0) -> tuple[float, float] | 
     arr = np.asarray(values, dtype=float)
     means = arr[rng.integers(0, len(arr), size=(RESAMPLES, len(arr)))].mean(axis=1)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def paired_items(
+    stat: Callable[[np.ndarray], float], n: int, seed: int = 0
+) -> tuple[float, float | None, float | None]:
+    """``stat`` over all ``n`` items (it takes an array of item indices) and its 95% percentile-bootstrap interval:
+    ``scipy.stats.bootstrap`` resamples the indices (1,000 times), so a ``stat`` that compares rows reads the same
+    drawn items for each of them (a paired bootstrap). The interval is None from fewer than two items."""
+    idx = np.arange(n)
+    point = float(stat(idx))
+    if n < 2:
+        return point, None, None
+    ci = stats.bootstrap(
+        (idx,), stat, vectorized=False, n_resamples=RESAMPLES, method="percentile", rng=np.random.default_rng(seed)
+    ).confidence_interval
+    return point, float(ci.low), float(ci.high)
