@@ -126,7 +126,10 @@ def main() -> None:
     loaded = load(args, device)
     t_start = time.perf_counter()
     spec = suite_spec(args.model, args.suite)
-    drawn, overlap_limit = draw_prose(loaded.tokenizer, spec, args.prose_n or spec.prose["n"])
+    try:
+        drawn, overlap_limit = draw_prose(loaded.tokenizer, spec, args.prose_n or spec.prose["n"])
+    except ValueError as e:  # the split has too little distinct text for --prose-n at this length
+        p.error(f"--prose-n: {e}")
     prose = drawn[: args.prose_items]
     key_ids = [(d, s) for d in args.depths.split(",") for s in args.seeds.split(",") if "passkey" in workloads]
     keys = [passkey_item(loaded.tokenizer, args.length, float(d), int(s)) for d, s in key_ids]

@@ -140,3 +140,20 @@ def test_prose_n_draws_that_many_distinct_items_and_every_row_is_paired() -> Non
         assert pair["keys_row_only"] - pair["keys_against_only"] == row["passkey_right"] - out[against][
             "passkey_right"]  # fmt: skip
     assert pairs[against]["ppl_diff_pp"] == 0.0
+
+
+def test_prose_n_beyond_what_the_split_gives_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = bench_script("demote_bytes")
+
+    def too_few(tokenizer, spec, n, split="heldout", seed=0):
+        raise ValueError(f"the {split} prose gives 12 items of 3000 tokens sharing at most 15% of their text, not {n}")
+
+    monkeypatch.setattr(script, "draw_prose", too_few)
+    monkeypatch.setattr(sys, "argv", ["demote_bytes.py", "--model", "tiny-random", "--prose-n", "14", "--threads", "1"])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--prose-n: the heldout prose gives 12 items" in err and "not 14" in err and "Traceback" not in err
