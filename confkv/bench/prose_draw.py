@@ -32,12 +32,16 @@ def windows(ids: tuple[int, ...]) -> set[tuple[int, ...]]:
     return {tuple(ids[k : k + NGRAM]) for k in range(len(ids) - NGRAM + 1)}
 
 
-def overlap(a: tuple[int, ...], b: tuple[int, ...]) -> float:
-    """The share of the smaller sequence's distinct windows that the other holds too (0: nothing in common)."""
-    wa, wb = windows(a), windows(b)
+def shared(wa: set[tuple[int, ...]], wb: set[tuple[int, ...]]) -> float:
+    """The share of the smaller window set that the other holds too (0: nothing in common, or no windows)."""
     if not wa or not wb:
         return 0.0
     return len(wa & wb) / min(len(wa), len(wb))
+
+
+def overlap(a: tuple[int, ...], b: tuple[int, ...]) -> float:
+    """The share of the smaller sequence's distinct windows that the other holds too (0: nothing in common)."""
+    return shared(windows(a), windows(b))
 
 
 def max_overlap(items: list[WorkloadItem]) -> float:
@@ -62,7 +66,7 @@ def draw_prose(
     candidates = make_workload("prose", tokenizer, split=split, n=DRAWS_PER_ITEM * n, seed=seed, **sizes)
     for item in candidates[len(own) :]:
         w = windows(item.prompt_ids)
-        if all(len(w & k) / min(len(w), len(k)) <= limit for k in kept_windows):
+        if all(shared(w, k) <= limit for k in kept_windows):
             kept.append(item)
             kept_windows.append(w)
             if len(kept) == n:
