@@ -8,9 +8,11 @@ Bytes are counted against ``full`` at ``auto`` (the model's dtype), two ways, ea
 over ``full@auto``'s mean resident bytes (a teacher-forced text grows, so full's mean is about half its peak).
 
 Workloads: the prose items of ``--suite`` (held-out split, scored teacher-forced as ``confkv bench`` scores its
-prose; perplexity over every token) and pass-key prompts (``confkv.bench.passkey``, repeated filler, ``--length``
-tokens, the key at each of ``--depths`` for each of ``--seeds``; 8 tokens generated greedily; an answer is right when
-it contains the key, and "as full" counts the items where it is right exactly where ``full``'s is).
+prose; perplexity over every token) and pass-key prompts (``confkv.bench.passkey``, ``--length`` tokens, the key at
+each of ``--depths`` for each of ``--seeds`` in each haystack of ``--filler``: ``repeat`` (the default), where the
+key stands out, and ``prose``, documentation text of the ``--key-split`` topics, where it reads like its
+surroundings; 8 tokens generated greedily; an answer is right when it contains the key, and "as full" counts the
+items where it is right exactly where ``full``'s is).
 
 ``confkv bench --policies full,dynamic:int8:demote=int4,window,...`` measures the same rows in the suite, with the
 baselines matched on mean bytes per measure (``confkv.bench.suite``); this script keeps the peak-bytes matching and
@@ -41,7 +43,8 @@ other (``confkv.bench.prose_draw``); ``--prose-items`` still takes the first one
 Paired comparison (``paired`` in the JSON, a table after the report): each row keeps its per-item prose sums and
 per-key answers, and is paired with the demoting row on the same items (``confkv.bench.paired``): its perplexity
 minus demotion's in points of ``full@auto``'s, with a 95% bootstrap interval over the prose items, and the keys it
-answers that demotion does not and the reverse.
+answers that demotion does not and the reverse with the exact McNemar p-value of that split, and a verdict on each
+measure and over both (ahead when ahead on one and behind on none).
 
 ``--int2-value-group`` sets the channels per value group of ``int2`` copies
 (``confkv.kv.demoted.INT2_VALUE_GROUP``), to choose it by measurement.
@@ -60,6 +63,7 @@ from confkv.bench.paired import item_sums, pair_rows, paired_table
 from confkv.bench.passkey import passkey_item
 from confkv.bench.prose_draw import draw_prose, max_overlap
 from confkv.bench.specs import baseline_policy, scaled_dynamic, suite_spec
+from confkv.bench.workloads import PASSKEY_FILLERS
 from confkv.kv import demoted
 
 
@@ -71,6 +75,12 @@ def held(outs, auto_bpt: int) -> dict[str, float]:
         "peak": sum(o.kv["peak_resident_bytes"] + o.kv["demoted_peak_bytes"] for o in outs) / full,
         "mean": sum(o.kv["mean_resident_bytes"] + o.kv["demoted_peak_bytes"] for o in outs),
     }
+
+
+def key_id(filler: str, depth: str, seed: str) -> str:
+    """A key's name in the JSON: depth/seed for the repeated haystack (as before fillers were chosen), with the
+    filler in front for any other."""
+    return f"{depth}/{seed}" if filler == "repeat" else f"{filler}/{depth}/{seed}"
 
 
 def share_budget(share: float, tokens: float, block_size: int) -> int:
@@ -92,6 +102,17 @@ def main() -> None:
     p.add_argument("--length", type=int, default=1500)
     p.add_argument("--depths", default="0.1,0.5")
     p.add_argument("--seeds", default="11,12")
+    p.add_argument(
+        "--filler",
+        default="repeat",
+        help="comma-separated pass-key haystacks: repeat (the key stands out), prose (it reads like its text)",
+    )
+    p.add_argument(
+        "--key-split",
+        default="heldout",
+        choices=("heldout", "train"),
+        help="the documentation topics of prose haystacks",
+    )
     p.add_argument("--prose-items", type=int, default=None, help="at most this many of the suite's prose items")
     p.add_argument(
         "--prose-n", type=int, default=None, help="draw this many held-out prose items (default: the suite's count)"
@@ -122,6 +143,9 @@ def main() -> None:
     if not workloads or set(workloads) - {"prose", "passkey"}:
         p.error(f"--workloads: prose and/or passkey, not {args.workloads!r}")
     shares = [float(x) for x in args.baseline_token_shares.split(",") if x]
+    fillers = [f for f in args.filler.split(",") if f]
+    if not fillers or set(fillers) - set(PASSKEY_FILLERS):
+        p.error(f"--filler: one or more of {', '.join(PASSKEY_FILLERS)}, not {args.filler!r}")
     device, env = setup(args)
     loaded = load(args, device)
     t_start = time.perf_counter()
@@ -131,14 +155,17 @@ def main() -> None:
     except ValueError as e:  # the split has too little distinct text for --prose-n at this length
         p.error(f"--prose-n: {e}")
     prose = drawn[: args.prose_items]
-    key_ids = [(d, s) for d in args.depths.split(",") for s in args.seeds.split(",") if "passkey" in workloads]
-    keys = [passkey_item(loaded.tokenizer, args.length, float(d), int(s)) for d, s in key_ids]
+    key_ids = [(f, d, s) for f in fillers for d in args.depths.split(",") for s in args.seeds.split(",")
+               if "passkey" in workloads]  # fmt: skip
+    keys = [passkey_item(loaded.tokenizer, args.length, float(d), int(s), filler=f,
+                         split=args.key_split if f == "prose" else None) for f, d, s in key_ids]  # fmt: skip
     dynamic = scaled_dynamic(spec.scale * args.scale)
     bs = dynamic.block_size
     auto_bpt = token_bytes(loaded, "auto", bs)
     result: dict = {**env, "suite": args.suite, "prose_items": len(prose), "passkey_items": len(keys),
                     "prose_item_ids": [it.item_id for it in prose], "prose_overlap_max": max_overlap(prose),
-                    "prose_overlap_limit": overlap_limit, "passkey_item_ids": [f"{d}/{s}" for d, s in key_ids],
+                    "prose_overlap_limit": overlap_limit, "passkey_item_ids": [key_id(*k) for k in key_ids],
+                    "passkey_key_split": args.key_split,
                     "passkey_length": args.length, "max_num_batched_tokens": args.max_num_batched_tokens,
                     "match": args.match, "int2_value_group": demoted.INT2_VALUE_GROUP,
                     "dynamic": {k: getattr(dynamic, k) for k in ("base_size", "max_size", "min_recent")}}  # fmt: skip

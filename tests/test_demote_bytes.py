@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 
 from confkv.bench import prose_draw
-from confkv.bench.paired import pair_prose, pair_rows, pooled_ppl, verdict
+from confkv.bench.paired import (
+    keys_verdict,
+    mcnemar_exact,
+    overall,
+    pair_keys,
+    pair_prose,
+    pair_rows,
+    pooled_ppl,
+    verdict,
+)
 from confkv.bench.specs import TINY_STANDARD
 from confkv.bench.workloads import WorkloadItem
 from tests.bench_scripts import ROOT, bench_script
@@ -77,7 +86,8 @@ def test_the_pairing_is_antisymmetric_and_a_row_against_itself_is_zero() -> None
     assert ba["ppl_diff_ci95"] == pytest.approx([-ab["ppl_diff_ci95"][1], -ab["ppl_diff_ci95"][0]])
     pairs = pair_rows(rows, "demote")
     assert pairs["demote"] == {"ppl_diff_pp": 0.0, "ppl_diff_ci95": [0.0, 0.0], "keys_row_only": 0,
-                               "keys_against_only": 0}  # fmt: skip
+                               "keys_against_only": 0, "keys_p": 1.0,
+                               "verdicts": {"prose": "tied", "keys": "tied", "overall": "tied"}}  # fmt: skip
     # keys item by item: full answers the first two, demotion the first and third
     assert (pairs["full@auto"]["keys_row_only"], pairs["full@auto"]["keys_against_only"]) == (1, 1)
     assert (pairs["base"]["keys_row_only"], pairs["base"]["keys_against_only"]) == (1, 2)
@@ -88,6 +98,37 @@ def test_the_verdict_reads_the_interval() -> None:
     assert verdict({"ppl_diff_pp": 0.1, "ppl_diff_ci95": [-0.02, 0.2]}) == "tied"
     assert verdict({"ppl_diff_pp": -0.1, "ppl_diff_ci95": [-0.2, -0.01]}) == "behind"
     assert verdict({"ppl_diff_pp": 0.1, "ppl_diff_ci95": None}) == "tied"
+
+
+def test_the_keys_verdict_is_an_exact_mcnemar_test_on_the_discordant_keys() -> None:
+    # six keys one way and none the other: 2 * 0.5**6; five are not enough at 5%
+    assert mcnemar_exact(0, 6) == pytest.approx(0.03125)
+    assert mcnemar_exact(5, 0) == pytest.approx(0.0625)
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(3, 3) == 1.0
+    # the keys both rows answer (or both miss) do not enter it
+    row = {"passkey_items": [False] * 6 + [True] * 20 + [False] * 4}
+    demoting = {"passkey_items": [True] * 6 + [True] * 20 + [False] * 4}
+    pair = pair_keys(row, demoting)
+    assert (pair["keys_row_only"], pair["keys_against_only"]) == (0, 6)
+    assert pair["keys_p"] == pytest.approx(0.03125)
+    assert keys_verdict(pair) == "ahead"  # the row paired against (demotion) answers the six
+    assert keys_verdict(pair_keys(demoting, row)) == "behind"
+    five = pair_keys({"passkey_items": [False] * 5 + [True]}, {"passkey_items": [True] * 6})
+    assert keys_verdict(five) == "tied"
+
+
+def test_ahead_overall_is_ahead_on_one_measure_and_behind_on_none() -> None:
+    assert overall(["tied", "ahead"]) == "ahead"
+    assert overall(["ahead", "ahead"]) == "ahead"
+    assert overall(["tied", "tied"]) == "tied"
+    assert overall(["behind", "tied"]) == "behind"
+    assert overall(["ahead", "behind"]) == "mixed"
+    pairs = pair_rows(rows_on_items(), "demote")
+    assert pairs["base"]["verdicts"]["keys"] == "tied"  # one key against two
+    assert pairs["base"]["verdicts"]["overall"] == overall(
+        [pairs["base"]["verdicts"]["prose"], pairs["base"]["verdicts"]["keys"]]
+    )
 
 
 def test_rows_on_different_items_are_not_paired() -> None:
@@ -122,8 +163,9 @@ def test_more_prose_skips_a_draw_that_repeats_a_kept_item(monkeypatch: pytest.Mo
 def test_prose_n_draws_that_many_distinct_items_and_every_row_is_paired() -> None:
     run = [sys.executable, str(ROOT / "benchmarks/demote_bytes.py"), "--model", "tiny-random", "--suite", "standard",
            "--baselines", "streaming", "--baseline-dtypes", "int8", "--prose-n", "5", "--depths", "0.1,0.5",
-           "--seeds", "11", "--length", "400", "--json", "--threads", "1"]  # fmt: skip
+           "--seeds", "11", "--filler", "repeat,prose", "--length", "400", "--json", "--threads", "1"]  # fmt: skip
     out = json.loads(subprocess.run(run, check=True, capture_output=True, text=True, cwd=ROOT).stdout)
+    assert out["passkey_item_ids"] == ["0.1/11", "0.5/11", "prose/0.1/11", "prose/0.5/11"]
     assert out["prose_items"] == 5 and len(set(out["prose_item_ids"])) == 5
     assert out["prose_item_ids"][:2] == ["prose-heldout-0000", "prose-heldout-0001"]  # the suite's own come first
     assert out["prose_overlap_max"] <= out["prose_overlap_limit"]
@@ -133,7 +175,7 @@ def test_prose_n_draws_that_many_distinct_items_and_every_row_is_paired() -> Non
     assert set(pairs) == {"full@auto", "full@int8", "dynamic@int8", against, "streaming@int8"}
     for name, pair in pairs.items():
         row = out[name]
-        assert len(row["prose_nll"]) == 5 and len(row["passkey_items"]) == 2
+        assert len(row["prose_nll"]) == 5 and len(row["passkey_items"]) == 4
         delta = row.get("ppl_delta_pct", 0.0) - out[against]["ppl_delta_pct"]
         assert pair["ppl_diff_pp"] == pytest.approx(delta, abs=1e-9)
         assert pair["ppl_diff_ci95"][0] <= pair["ppl_diff_pp"] <= pair["ppl_diff_ci95"][1]
@@ -157,3 +199,13 @@ def test_prose_n_beyond_what_the_split_gives_is_a_one_line_error(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--prose-n: the heldout prose gives 12 items" in err and "not 14" in err and "Traceback" not in err
+
+
+def test_a_bad_filler_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    script = bench_script("demote_bytes")
+    monkeypatch.setattr(sys, "argv", ["demote_bytes.py", "--model", "tiny-random", "--filler", "repeat,hay"])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--filler: one or more of repeat, prose, not 'repeat,hay'" in err and "Traceback" not in err

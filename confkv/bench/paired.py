@@ -8,6 +8,11 @@ with is in percentage points of ``full``'s perplexity on the same items, ``100 *
 difference of the two rows' ``ppl_delta_pct``. The interval resamples the prose items (``intervals.paired_items``),
 recomputing all three perplexities on each resample, so the interval is about these rows on text like these items,
 not about the model's rounding on one text.
+
+The keys are paired item by item: the keys one row answers and the other does not, and the exact two-sided McNemar
+test on those discordant keys (a binomial test at one half: the keys both answer or both miss say nothing about which
+row is better). A row is ahead of another on a measure when the 95% interval (prose) or the test at 5% (keys) says
+so; ahead overall when it is ahead on one measure and behind on none.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from scipy import stats
 
 from confkv.bench.intervals import paired_items
 
@@ -46,12 +52,22 @@ def pair_prose(row: dict, against: dict, full: dict, seed: int = 0) -> dict:
 
 
 def pair_keys(row: dict, against: dict) -> dict:
-    """Keys the row answers that ``against`` does not, and the reverse (item by item, not only the totals)."""
+    """Keys the row answers that ``against`` does not, the reverse (item by item, not only the totals), and the
+    exact McNemar p-value of that split (1 when no key is discordant)."""
     pairs = list(zip(row["passkey_items"], against["passkey_items"], strict=True))
+    row_only = sum(a and not b for a, b in pairs)
+    against_only = sum(b and not a for a, b in pairs)
     return {
-        "keys_row_only": sum(a and not b for a, b in pairs),
-        "keys_against_only": sum(b and not a for a, b in pairs),
+        "keys_row_only": row_only,
+        "keys_against_only": against_only,
+        "keys_p": mcnemar_exact(row_only, against_only),
     }
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """The exact two-sided McNemar p-value of ``b`` keys one way and ``c`` the other (their binomial test at one
+    half)."""
+    return 1.0 if b + c == 0 else float(stats.binomtest(b, b + c, 0.5).pvalue)
 
 
 def pair_rows(rows: dict[str, dict], against: str, full: str = "full@auto", seed: int = 0) -> dict[str, dict]:
@@ -64,7 +80,7 @@ def pair_rows(rows: dict[str, dict], against: str, full: str = "full@auto", seed
         if "passkey_items" in row and "passkey_items" in rows[against]:
             pair.update(pair_keys(row, rows[against]))
         if pair:
-            out[name] = pair
+            out[name] = {**pair, "verdicts": measure_verdicts(pair)}
     return out
 
 
@@ -77,17 +93,53 @@ def verdict(pair: dict) -> str:
     return "ahead" if ci[0] > 0 else "behind"
 
 
+def keys_verdict(pair: dict, alpha: float = 0.05) -> str:
+    """Where ``against`` stands on the keys: ahead when it answers more of the discordant keys and the exact test
+    rejects an even split at ``alpha``, behind in the mirror case, tied otherwise."""
+    if pair["keys_p"] >= alpha or pair["keys_row_only"] == pair["keys_against_only"]:
+        return "tied"
+    return "ahead" if pair["keys_against_only"] > pair["keys_row_only"] else "behind"
+
+
+def overall(verdicts: Sequence[str]) -> str:
+    """One verdict from several measures' (prose, keys): ahead when ahead on one and behind on none, behind in the
+    mirror case, mixed when ahead on one and behind on another, tied when every one is tied."""
+    ahead, behind = "ahead" in verdicts, "behind" in verdicts
+    if ahead and behind:
+        return "mixed"
+    return "ahead" if ahead else "behind" if behind else "tied"
+
+
+def measure_verdicts(pair: dict) -> dict[str, str]:
+    """The verdict on each measure the pair holds, and over them."""
+    out = {}
+    if "ppl_diff_pp" in pair:
+        out["prose"] = verdict(pair)
+    if "keys_p" in pair:
+        out["keys"] = keys_verdict(pair)
+    out["overall"] = overall(list(out.values()))
+    return out
+
+
 def paired_table(pairs: dict[str, dict], against: str) -> str:
     """The pairs as a text table for the printed report."""
     lines = [
         f"each row minus {against}: points of full's perplexity, 95% paired interval over the prose items; whether "
-        f"{against} is ahead, tied or behind by it; keys the row answers that {against} does not / the reverse",
-        f"{'row':<28} {'ppl diff':>9} {'95% interval':>22} {'verdict':>8}  keys",
+        f"{against} is ahead, tied or behind by it; keys the row answers that {against} does not / the reverse, the "
+        f"exact McNemar p-value and the verdict by it; the verdict over both",
+        f"{'row':<28} {'ppl diff':>9} {'95% interval':>22} {'verdict':>8}  {'keys':>7} {'p':>6} {'verdict':>8}"
+        f" {'overall':>8}",
     ]
     for name, p in pairs.items():
         ci = p.get("ppl_diff_ci95")
+        v = measure_verdicts(p)
         diff = f"{p['ppl_diff_pp']:+.3f}" if "ppl_diff_pp" in p else "-"
         interval = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "-"
-        keys = f"{p['keys_row_only']} / {p['keys_against_only']}" if "keys_row_only" in p else "-"
-        lines.append(f"{name:<28} {diff:>9} {interval:>22} {verdict(p) if 'ppl_diff_pp' in p else '-':>8}  {keys}")
+        keys, kp = (
+            (f"{p['keys_row_only']} / {p['keys_against_only']}", f"{p['keys_p']:.3f}") if "keys_p" in p else ("-", "-")
+        )
+        lines.append(
+            f"{name:<28} {diff:>9} {interval:>22} {v.get('prose', '-'):>8}  {keys:>7} {kp:>6} {v.get('keys', '-'):>8}"
+            f" {v['overall']:>8}"
+        )
     return "\n".join(lines)
