@@ -28,6 +28,7 @@ from common import load, parser, readme_windows, report, setup, start_decoding
 from confkv import LLM, SamplingParams
 from confkv.bench.evaluator import build_workloads
 from confkv.bench.specs import scaled_dynamic, suite_spec
+from confkv.errors import ConfkvError
 
 SETTLE_STEPS = 20
 POOL = 64 << 20
@@ -40,8 +41,11 @@ def split_entry(entry: str) -> tuple[str, int]:
 
 
 def scored(args, loaded, dtype: str, items: list, policy="full", window: int = 0) -> list:
-    """Every item scored teacher-forced, as the bench scores its prose (``ScoreResult`` each)."""
-    llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=dtype, kv_cache_memory=POOL, kv_float_window=window)
+    """Every item scored teacher-forced, as the bench scores its prose (``ScoreResult`` each). The pool is
+    ``--kv-cache-memory`` where the caller's parser has it (``int4_ablation.py``'s keeps 64 MiB)."""
+    memory = getattr(args, "kv_cache_memory", POOL)
+    llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=dtype, kv_cache_memory=memory,
+              kv_float_window=window)  # fmt: skip
     return llm.score([list(it.prompt_ids) for it in items], [max(1, it.score_from or 1) for it in items])
 
 
@@ -95,6 +99,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-ppl", action="store_true")
     p.add_argument("--no-step", action="store_true")
+    p.add_argument(
+        "--kv-cache-memory", default="64MiB", help="each scoring engine's pool (the standard suite's texts: 1GiB)"
+    )
     p.add_argument("--demote", default="", help="also dynamic at these demote_dtypes (int4,int2) and none")
     args = p.parse_args()
     device, env = setup(args)
@@ -112,7 +119,10 @@ def main() -> None:
         base_resident = base_peak = None
         for dtype in dtypes:
             kv_dtype, window = split_entry(dtype)
-            runs = scored(args, loaded, kv_dtype, items, window=window)
+            try:
+                runs = scored(args, loaded, kv_dtype, items, window=window)
+            except ConfkvError as e:  # the suite's texts need more than the pool: say so, not a traceback
+                p.error(f"--kv-cache-memory {args.kv_cache_memory}: {e}")
             ppl, n, resident, _ = perplexity(args, loaded, kv_dtype, items, results=runs)
             result[f"{dtype}_ppl"] = ppl
             result[f"{dtype}_mean_bytes_per_token"] = mean_bytes_per_token([r.kv for r in runs])
