@@ -96,7 +96,7 @@ def verdict(pair: dict) -> str:
 def keys_verdict(pair: dict, alpha: float = 0.05) -> str:
     """Where ``against`` stands on the keys: ahead when it answers more of the discordant keys and the exact test
     rejects an even split at ``alpha``, behind in the mirror case, tied otherwise."""
-    if pair["keys_p"] >= alpha or pair["keys_row_only"] == pair["keys_against_only"]:
+    if pair["keys_p"] >= alpha:  # an even split has p = 1
         return "tied"
     return "ahead" if pair["keys_against_only"] > pair["keys_row_only"] else "behind"
 
@@ -122,7 +122,7 @@ def measure_verdicts(pair: dict) -> dict[str, str]:
 
 
 def paired_table(pairs: dict[str, dict], against: str) -> str:
-    """The pairs as a text table for the printed report."""
+    """The pairs (``pair_rows``'s, verdicts included) as a text table for the printed report."""
     lines = [
         f"each row minus {against}: points of full's perplexity, 95% paired interval over the prose items; whether "
         f"{against} is ahead, tied or behind by it; keys the row answers that {against} does not / the reverse, the "
@@ -132,7 +132,7 @@ def paired_table(pairs: dict[str, dict], against: str) -> str:
     ]
     for name, p in pairs.items():
         ci = p.get("ppl_diff_ci95")
-        v = measure_verdicts(p)
+        v = p["verdicts"]
         diff = f"{p['ppl_diff_pp']:+.3f}" if "ppl_diff_pp" in p else "-"
         interval = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "-"
         keys, kp = (
