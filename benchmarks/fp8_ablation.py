@@ -8,13 +8,23 @@ under ``full`` as ``benchmarks/kv_dtypes.py`` scores it, with the pool's ``store
 been rounded and restored (the pool stays float, so only the rounding differs from ``auto``; unlike the engine's fp8
 pool, a prompt's first chunk also attends to rounded keys, so the costs here are somewhat larger). Modes:
 
-* ``fp8``: keys and values through the engine's fp8 codec (e4m3, a scale per token and KV head that maps the row's
-  largest magnitude to 448 exactly); ``fp8_k`` / ``fp8_v``: only one half (the other exact).
+* ``fp8``: keys and values through ``Fp8Codec`` (e4m3, a scale per token and KV head that maps the row's largest
+  magnitude to 448 exactly: the engine's fp8 values, and its keys before they kept their block's mean);
+  ``fp8_k`` / ``fp8_v``: only one half (the other exact).
 * ``mN``: both rounded to N mantissa bits with an unbounded exponent (round to nearest even): a float format of N
   mantissa bits with no range limits and no scale (``m3`` is e4m3 without its range).
 * ``int8``, ``int4``: the engine's per-token codecs (``int4`` here without keys per channel).
 * A suffix ``_rot`` rounds the keys in a Hadamard-rotated basis of the head dimension and rotates them back
   (QuaRot's remedy for outlier channels; values as without it).
+* ``fp8_kmean`` / ``fp8_kmid``: keys less a per-channel offset over their block's written rows (the mean, as the
+  engine's ``Fp8KeyCodec`` now stores fp8 keys, or the midrange; float16), then fp8 per token, the offset added
+  back; values fp8. An open block is re-rounded from its exact keys at every write, as the pool re-encodes an open
+  block of block-coded keys. Softmax does not change when every key of a query's context shifts by one vector, so
+  within a block only the residual's rounding reaches ``q . k`` (SageAttention's smoothing of K, 2024, done here
+  per block so a block stays self-contained).
+
+``--suite standard`` scores the standard suite's 3,000-token held-out texts instead of the quick suite's (give it
+``--kv-cache-memory 1GiB``).
 
 A measurement aid, not the engine's path: ``benchmarks/kv_dtypes.py`` measures ``kv_cache_dtype`` itself.
 """
@@ -28,7 +38,7 @@ from common import parser
 from int4_ablation import run_ablation
 
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import Fp8Codec, Int4Codec, Int8Codec, KVCodec
+from confkv.kv.quant import Fp8Codec, Fp8KeyCodec, Int4Codec, Int8Codec, KVCodec
 
 _STORE = BlockPool.store
 
@@ -79,7 +89,52 @@ def rounder(mode: str):
     return (None if base == "fp8_v" else fk), (None if base == "fp8_k" else f)
 
 
+def offset_store(how: str):
+    """Keys less a per-channel offset of their block (``how``: ``mean``, the engine's ``Fp8KeyCodec``, or ``mid``,
+    the midrange over the written rows), rounded through fp8 and the offset added back; values through fp8 per
+    token. Keeps the exact keys of every block it wrote, and re-rounds a block whole at each write."""
+    values = Fp8Codec()
+    shadows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mid(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        real = (torch.arange(x.shape[1])[None, :] < n[:, None])[..., None, None]
+        hi = x.masked_fill(~real, float("-inf")).amax(1, keepdim=True)
+        lo = x.masked_fill(~real, float("inf")).amin(1, keepdim=True)
+        off = ((hi + lo) / 2).half().float()
+        return _codec_round(values, x - off) + off
+
+    def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        bs = pool.block_size
+        if id(pool) not in shadows:
+            shadows.clear()  # one engine at a time: an older pool's copies are no longer read
+            shadows[id(pool)] = (
+                torch.zeros(pool.k.shape, dtype=torch.float32),
+                torch.zeros((pool.num_layers, pool.num_blocks), dtype=torch.long),
+            )
+        exact, filled = shadows[id(pool)]
+        exact[layer].index_copy_(0, slots, k.float())
+        blocks = torch.unique(slots // bs)
+        for b in blocks.tolist():
+            offsets = slots[slots // bs == b] % bs
+            first, last = int(offsets.min()), int(offsets.max()) + 1
+            filled[layer, b] = last if first == 0 else max(int(filled[layer, b]), last)
+        n = filled[layer, blocks]  # rows written in each touched block
+        x = exact[layer].view(pool.num_blocks, bs, *exact.shape[2:])[blocks]  # [nb, bs, kvh, D]
+        if how == "mean":
+            keys = Fp8KeyCodec(x.shape[-1], bs)
+            rounded = keys.decode(keys.encode(x, n), torch.float32)
+        else:
+            rounded = mid(x, n)
+        by_block = pool.k[layer].view(pool.num_blocks, bs, *pool.k.shape[2:])
+        by_block.index_copy_(0, blocks, rounded.to(pool.k.dtype))
+        pool.v[layer].index_copy_(0, slots, _codec_round(values, v))
+
+    return store
+
+
 def fake_store(mode: str):
+    if mode in ("fp8_kmid", "fp8_kmean"):
+        return offset_store(mode.removeprefix("fp8_k"))
     round_k, round_v = rounder(mode)
 
     def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -91,6 +146,8 @@ def fake_store(mode: str):
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--modes", default="fp8,fp8_k,fp8_v,m3,m4,m5,int8")
+    p.add_argument("--suite", choices=("quick", "standard"), default="quick", help="whose held-out prose")
+    p.add_argument("--kv-cache-memory", default="64MiB", help="each scoring engine's pool (standard suite: 1GiB)")
     args = p.parse_args()
     run_ablation(args, [(mode, partial(fake_store, mode), False) for mode in filter(None, args.modes.split(","))])
 

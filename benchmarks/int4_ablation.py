@@ -107,10 +107,11 @@ def run_ablation(args, entries: list[tuple[str, Callable[[], Callable], bool]]) 
     quantisation scripts (``fp8_ablation.py`` too)."""
     device, env = setup(args)
     loaded = load(args, device)
-    items = build_workloads(loaded.tokenizer, suite_spec(args.model, "quick"), "heldout", 0).prose
+    suite = getattr(args, "suite", "quick")
+    items = build_workloads(loaded.tokenizer, suite_spec(args.model, suite), "heldout", 0).prose
     t0 = time.perf_counter()
     base, n, _, _ = perplexity(args, loaded, "auto", items)
-    result: dict = {**env, "ppl_tokens": n, "auto_ppl": base}
+    result: dict = {**env, "suite": suite, "ppl_tokens": n, "auto_ppl": base}
     try:
         for name, make_store, alone in entries:
             BlockPool.store = make_store()

@@ -150,12 +150,13 @@ def test_a_half_precision_window_is_left_to_the_torch_path() -> None:
 
 
 def test_masked_slots_are_not_read() -> None:
-    """A NaN in a masked slot (an unfilled tail, a padding block) changes nothing: the kernel never reads it."""
+    """A NaN in a masked slot (an unfilled tail, a padding block) changes nothing: the kernel never reads its codes
+    and scale (its share of the block's fp8 key means belongs to the block, whose written rows read it)."""
     pool, blocks, valid = _pool("fp8", 64)
     qg = torch.randn(len(LENGTHS), KVH, GROUPS, 64)
     before = kernel.decode_attention(pool, 0, blocks, qg, valid, 0.125)
     tail = int(blocks[0, 2]) * BS + LENGTHS[0] % BS  # row 0's first unfilled slot
-    pool.k[0, tail] = 0x7F  # e4m3's NaN code, and a NaN scale
+    pool.k[0, tail, :, : 64 + 2] = 0x7F  # e4m3's NaN code, and a NaN scale
     pool.v[0, tail] = 0xFF
     after = kernel.decode_attention(pool, 0, blocks, qg, valid, 0.125)
     assert torch.isfinite(after).all() and torch.equal(before, after)

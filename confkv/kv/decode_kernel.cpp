@@ -6,10 +6,13 @@
 // same way and accumulated with its probability. Masked slots (a block's unfilled tail, padding blocks, keys outside
 // a sliding window) are never read. Scales are folded where they are constant along the sum: an int8/fp8 key's scale
 // multiplies its score, a value's scale its probability; int4 keys' per-channel grids are folded into the query once
-// per block (q*s and the q.lo term), int4 values' zero points are accumulated per group and added at the end.
+// per block (q*s and the q.lo term), as are fp8 keys' block means (the q.mean term), int4 values' zero points are
+// accumulated per group and added at the end.
 //
 // Row layouts (confkv/kv/quant.py):
-//   int8, fp8 (keys and values): [D code bytes | float16 scale]; fp8 codes are e4m3fn.
+//   int8 (keys and values), fp8 values: [D code bytes | float16 scale]; fp8 codes are e4m3fn.
+//   fp8 keys: [D e4m3fn code bytes | float16 scale | 2D/bs bytes], the block's mean (f16[D], per KV head) spread over
+//     its bs rows in order.
 //   int4 values: D/G groups of [G/2 bytes, two codes each, first in the low nibble | f16 scale | f16 zero point],
 //     G = min(32, D).
 //   int4 keys (per channel within a block): [D/2 bytes of codes | 4D/bs bytes], the block's grid (f16 scale[D] then
@@ -202,13 +205,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
   const int64_t slots = k.size(0);
   TORCH_CHECK(valid.size(1) == mb * bs && k.size(1) == kvh && v.size(1) == kvh, "decode kernel: shapes disagree");
   const int64_t grp = d < 32 ? d : 32;  // int4 values' group
-  const int64_t ngrp = d / grp, grp_bytes = grp / 2 + 4, share = 4 * d / bs;
+  const int64_t ngrp = d / grp, grp_bytes = grp / 2 + 4, share = 4 * d / bs, mean_share = 2 * d / bs;
   if (format == INT4) {
     TORCH_CHECK(d % 2 == 0 && d % grp == 0 && v_row == ngrp * grp_bytes && k_row == d / 2 + share &&
                     (4 * d) % bs == 0,
                 "decode kernel: not the int4 pool layout");
+  } else if (format == FP8) {
+    TORCH_CHECK(k_row == d + 2 + mean_share && v_row == d + 2 && (2 * d) % bs == 0,
+                "decode kernel: not the fp8 pool layout");
   } else {
-    TORCH_CHECK(k_row == d + 2 && v_row == d + 2, "decode kernel: not an int8/fp8 pool layout");
+    TORCH_CHECK(k_row == d + 2 && v_row == d + 2, "decode kernel: not an int8 pool layout");
   }
   const bool fp8 = format == FP8;
   // fp8 codes come out as their value times 2^-8 (e4m3_half_bits), so their scales carry the 2^8
@@ -306,12 +312,21 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
             for (int64_t j = 0; j < g; ++j) scores[j * keys + jb * bs + t] = dot(acc.data() + j * d, row.data(), d) + bias[j];
           }
         } else {
+          if (fp8) {  // the block's mean key, gathered from its rows; its score term q . mean once per query
+            for (int64_t t = 0; t < bs; ++t) {
+              std::memcpy(grid_bytes.data() + t * mean_share, kp + ((base + t) * kvh + h) * k_row + d + 2, mean_share);
+            }
+            for (int64_t c = 0; c < d; ++c) grid[c] = half_at(grid_bytes.data() + 2 * c);
+            for (int64_t j = 0; j < g; ++j) bias[j] = dot(qs.data() + j * d, grid.data(), d);
+          }
           for (int64_t t = 0; t < bs; ++t) {
             if (!okb[t]) continue;
             const uint8_t* r = kp + ((base + t) * kvh + h) * k_row;
             codes8(r, row.data(), d, fp8);
             const float s = half_at(r + d) * code_unit;
-            for (int64_t j = 0; j < g; ++j) scores[j * keys + jb * bs + t] = dot(qs.data() + j * d, row.data(), d) * s;
+            for (int64_t j = 0; j < g; ++j) {
+              scores[j * keys + jb * bs + t] = dot(qs.data() + j * d, row.data(), d) * s + (fp8 ? bias[j] : 0.f);
+            }
           }
         }
       }

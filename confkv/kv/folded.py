@@ -6,6 +6,9 @@ instead of the keys, and a value's scale the attention probabilities instead of 
 sum_t (p_t s_t) c_t``). What is left per element is the conversion of the codes themselves to floats, written
 straight into the layout the matrix products read: scores ``(q @ C^T) * s``, output ``(p * s) @ C``.
 
+fp8 keys are their block's mean plus a scaled code (``Fp8KeyCodec``): ``q . (mean + s * c) = q . mean + s * (q . c)``,
+so each block adds one term per query to its scores, computed once from the block's float16 means.
+
 This computes the same attention as dequantise-then-SDPA in a different order of float32 operations: within float32
 rounding of it, not bit for bit. Only int8 and fp8 pools on the CPU without a float window take it. Measured on
 the 2-core AMD EPYC (docs/kv-dtypes.md, "Decode step, fourth round"), the same fold for int4 (zero points as one
@@ -18,20 +21,21 @@ from __future__ import annotations
 import torch
 
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import Fp8Codec, Int8Codec, e4m3_as_half, from_f16
+from confkv.kv.quant import Fp8Codec, Fp8KeyCodec, Int8Codec, e4m3_as_half, from_f16
 
 
 def supported(pool: BlockPool) -> bool:
     """Whether this pool takes the folded path: int8 and fp8 (one scale per token and KV head) on the CPU, where it
     was measured; on a GPU the fused SDPA kernel over decoded rows is kept (not measured against this)."""
     k, v = pool.fmt.k_codec, pool.fmt.v_codec
-    return pool.device.type == "cpu" and isinstance(k, (Int8Codec, Fp8Codec)) and type(k) is type(v)
+    int8 = isinstance(k, Int8Codec) and isinstance(v, Int8Codec)
+    return pool.device.type == "cpu" and (int8 or (isinstance(k, Fp8KeyCodec) and isinstance(v, Fp8Codec)))
 
 
 def _codes(rows: torch.Tensor, d: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gathered rows ``[n, L, kvh, d + 2]`` -> codes as float32 ``[n, kvh, L, d]`` (one conversion pass, straight
-    into that layout) and their scales ``[n, kvh, L]``. fp8's codes are its CPU decode's float16 reading of the e4m3
-    bits (the value times 2^-8, ``Fp8Codec.decode``), so its scales carry the 2^8."""
+    """Gathered rows ``[n, L, kvh, d + 2 (+ fp8 keys' share of means)]`` -> codes as float32 ``[n, kvh, L, d]`` (one
+    conversion pass, straight into that layout) and their scales ``[n, kvh, L]``. fp8's codes are its CPU decode's
+    float16 reading of the e4m3 bits (the value times 2^-8, ``Fp8Codec.decode``), so its scales carry the 2^8."""
     data = rows[..., :d].view(torch.int8).permute(0, 2, 1, 3)
     scale = from_f16(rows[..., d : d + 2]).squeeze(-1).transpose(1, 2)
     if not fp8:
@@ -47,9 +51,16 @@ def decode_attention(
     n, d, kvh = blocks.shape[0], pool.head_dim, pool.num_kv_heads
     fp8 = isinstance(pool.fmt.v_codec, Fp8Codec)
     flat = blocks.reshape(-1)
-    k_codes, k_scale = _codes(pool.gather_blocks(pool.k[layer], flat).view(n, -1, kvh, pool.k_row), d, fp8)
+    k_rows = pool.gather_blocks(pool.k[layer], flat).view(n, -1, kvh, pool.k_row)
+    k_codes, k_scale = _codes(k_rows, d, fp8)
     v_codes, v_scale = _codes(pool.gather_blocks(pool.v[layer], flat).view(n, -1, kvh, pool.v_row), d, fp8)
-    scores = torch.matmul(qg.float(), k_codes.transpose(-1, -2)).mul_((k_scale * scaling)[:, :, None, :])
+    q = qg.float()
+    scores = torch.matmul(q, k_codes.transpose(-1, -2)).mul_((k_scale * scaling)[:, :, None, :])
+    if fp8:  # each block's q . mean, on every one of its slots
+        bs = pool.block_size
+        means = pool.fmt.k_codec.block_means(k_rows.view(n, -1, bs, kvh, pool.k_row))  # [n, blocks, kvh, D]
+        bias = torch.matmul(q, means.permute(0, 2, 3, 1)).mul_(scaling)  # [n, kvh, g, blocks]
+        scores += bias.repeat_interleave(bs, dim=-1)
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).mul_(v_scale[:, :, None, :])
     return torch.matmul(p, v_codes).to(qg.dtype)

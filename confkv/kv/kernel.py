@@ -37,7 +37,7 @@ import torch
 
 from confkv.config import cache_root
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import ChannelKeyCodec, Fp8Codec, GroupedCodec, Int8Codec
+from confkv.kv.quant import ChannelKeyCodec, Fp8Codec, Fp8KeyCodec, GroupedCodec, Int8Codec
 from confkv.progress import stage
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _format(pool: BlockPool) -> int | None:
     k, v = pool.fmt.k_codec, pool.fmt.v_codec
     if isinstance(v, Int8Codec) and isinstance(k, Int8Codec):
         return _INT8
-    if isinstance(v, Fp8Codec) and isinstance(k, Fp8Codec):
+    if isinstance(v, Fp8Codec) and isinstance(k, Fp8KeyCodec):
         return _FP8
     if isinstance(v, GroupedCodec) and isinstance(k, ChannelKeyCodec) and v.bits == k.bits == 4:
         return _INT4

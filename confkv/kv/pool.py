@@ -8,11 +8,11 @@ Layout: per layer, keys and values live in ``[num_blocks * block_size, kv_heads,
 resident tokens with one index tensor. Keys are stored after RoPE.
 
 With a quantised ``kv_cache_dtype`` each ``[slot, kv_head]`` row holds the codec's bytes (data and the row's own
-scale, ``confkv/kv/quant.py``; int4 keys: data and a share of the block's per-channel grid) instead of ``head_dim``
-floats, so the same bytes buy more slots. ``store`` quantises
-as tokens are written; ``dequant_k`` (whole blocks), ``keys_at`` and ``dequant`` (values) are what attention and the
-scorers read through. Blocks leave the pool (to the host tier, to a session record) as those bytes, so the lower
-tiers hold the compact form too (or, with ``host_kv_dtype``, a more compact one the cache manager converts to).
+scale, ``confkv/kv/quant.py``; int4 and fp8 keys: that and a share of the block's per-channel grid or mean) instead of
+``head_dim`` floats, so the same bytes buy more slots. ``store`` quantises as tokens are written; ``dequant_k``
+(whole blocks), ``keys_at`` and ``dequant`` (values) are what attention and the scorers read through. Blocks leave
+the pool (to the host tier, to a session record) as those bytes, so the lower tiers hold the compact form too (or,
+with ``host_kv_dtype``, a more compact one the cache manager converts to).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from confkv.errors import ConfkvError
-from confkv.kv.quant import ChannelKeyCodec, KVCodec, KVFormat
+from confkv.kv.quant import BlockKeyCodec, KVCodec, KVFormat
 from confkv.kv.window import FloatWindow
 
 
 @dataclass
 class _KeyWrite:
-    """What one forward pass's write of ``slots`` does to per-channel key blocks, the same in every layer."""
+    """What one forward pass's write of ``slots`` does to block-coded key blocks, the same in every layer."""
 
     slots: torch.Tensor
     blocks: torch.Tensor  # [nb] the blocks touched
@@ -71,21 +71,21 @@ class BlockPool:
         self.compute_dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         try:
-            #: How K and V are stored (``confkv/kv/quant.py``); int4 keys are per channel within a block.
+            #: How K and V are stored (``confkv/kv/quant.py``); int4 and fp8 keys are coded a block at a time.
             self.fmt = KVFormat(kv_cache_dtype, head_dim, block_size, dtype)
         except ValueError as err:
             raise ConfkvError(str(err)) from None
-        #: The per-token codec of values (and of keys, but for int4's per-channel keys); ``None`` at ``auto``.
+        #: The per-token codec of values (and of int8's keys); ``None`` at ``auto``.
         self.codec: KVCodec | None = self.fmt.v_codec
         #: The dtype of ``k`` and ``v`` themselves: bytes for a quantised pool.
         self.dtype = self.fmt.storage_dtype
         #: Last dimension of ``k`` and ``v``: ``head_dim`` values, or a quantised row's bytes (keys' and values' rows
         #: differ in width at int4).
         self.k_row, self.v_row = self.fmt.k_row, self.fmt.v_row
-        #: Float copies of the keys of open blocks (written in part) under per-channel keys, with the rows filled:
-        #: each write re-encodes the block's channel grid from these exact values (no error compounds as it fills).
+        #: Float copies of the keys of open blocks (written in part) under block-coded keys, with the rows filled:
+        #: each write re-encodes the block (its channel grid or mean) from these exact values (no error compounds).
         self._open: dict[int, tuple[torch.Tensor, int]] = {}
-        #: The forward pass's key write, planned at its first layer (per-channel keys only).
+        #: The forward pass's key write, planned at its first layer (block-coded keys only).
         self._key_write: _KeyWrite | None = None
         self.device = torch.device(device)
         self._block_bytes = block_size * self.fmt.bytes_per_token(num_layers, num_kv_heads)
@@ -148,13 +148,13 @@ class BlockPool:
 
     @property
     def open_copy_bytes(self) -> int:
-        """Bytes of one open block's float copy of its keys (per-channel keys only; 0 otherwise)."""
-        if not isinstance(self.fmt.k_codec, ChannelKeyCodec):
+        """Bytes of one open block's float copy of its keys (block-coded keys only; 0 otherwise)."""
+        if not isinstance(self.fmt.k_codec, BlockKeyCodec):
             return 0
         return self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * 4
 
     def has_open_copy(self, block: int) -> bool:
-        """Whether an open block keeps a float copy of its keys now (per-channel keys only)."""
+        """Whether an open block keeps a float copy of its keys now (block-coded keys only)."""
         return block in self._open
 
     def count_outside(self, source: Callable[[], int]) -> None:
@@ -198,7 +198,7 @@ class BlockPool:
     @property
     def kv_format(self) -> str:
         """What a block's stored rows are, as session records name it: the model's dtype as torch spells it
-        (``"float32"``) or ``"kv-int8"``, ``"kv-fp8"``, ``"kv-int4c"``; rows of one format mean nothing in another."""
+        (``"float32"``) or ``"kv-int8"``, ``"kv-fp8c"``, ``"kv-int4c"``; rows of one format mean nothing in another."""
         return self.fmt.record_dtype
 
     @property
@@ -209,13 +209,13 @@ class BlockPool:
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new keys and values ``[tokens, kv_heads, head_dim]`` into their slots, quantised if the pool is."""
         self.v[layer].index_copy_(0, slots, self.fmt.encode_v(v))
-        if isinstance(self.fmt.k_codec, ChannelKeyCodec):
+        if isinstance(self.fmt.k_codec, BlockKeyCodec):
             self._store_channel_keys(layer, slots, k)
         else:
             self.k[layer].index_copy_(0, slots, self.fmt.encode_k(k))
 
     def _store_channel_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        """Per-channel keys: every block a write touches is re-encoded whole, its channel grid taken over its filled
+        """Block-coded keys: every block a write touches is re-encoded whole, its grid or mean taken over its filled
         rows, from exact values: a block open (written in part) keeps a float copy of its keys (``_open``), a block
         written whole (a prefill chunk's) needs none. A block that left the device open and came back (recall,
         session resume) restarts its copy from its decoded rows: only then does the grid of a block's earlier tokens
@@ -287,9 +287,9 @@ class BlockPool:
         return self.fmt.decode_v(rows)
 
     def keys_at(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Keys ``[len(slots), kv_heads, head_dim]`` of some slots of one layer, in the compute dtype (per-channel
+        """Keys ``[len(slots), kv_heads, head_dim]`` of some slots of one layer, in the compute dtype (block-coded
         keys are decoded by whole blocks)."""
-        if not isinstance(self.fmt.k_codec, ChannelKeyCodec):
+        if not isinstance(self.fmt.k_codec, BlockKeyCodec):
             return self.fmt.decode_k(self.k[layer][slots])
         bs = self.block_size
         blocks, where = torch.unique(slots // bs, return_inverse=True)
@@ -325,7 +325,7 @@ class BlockPool:
 
     def forget_from(self, block: int, filled: int) -> None:
         """Rows ``filled`` and on of ``block`` no longer hold tokens (a session cut mid-block): an open block's
-        per-channel grid is taken over its first ``filled`` rows again from the next write."""
+        keys are coded over its first ``filled`` rows again from the next write."""
         if block in self._open:
             self._open[block] = (self._open[block][0], filled)
         self._key_write = None

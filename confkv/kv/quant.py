@@ -1,23 +1,25 @@
 """Quantised KV rows: each token's key (or value) vector of one KV head, packed with its own scale into bytes.
 
 Scales are computed when a token is written (per token and KV head, as vLLM's int8/fp8 per-token modes and KIVI's
-values do), so no calibration file is needed and a token's row never changes once its block is full (int4 keys are
-re-encoded while their block fills): a block moves between the device pool, the host tier and a session record as the
-same bytes. A row is ``[data | scale (| zero point)]``:
+values do), so no calibration file is needed and a token's row never changes once its block is full (int4 and fp8
+keys are re-encoded while their block fills): a block moves between the device pool, the host tier and a session
+record as the same bytes. A row is ``[data | scale (| zero point)]``:
 
 =======  ===========================================  ==============================  =====================
 dtype    data                                         scale bytes                     bytes (head_dim 64)
 =======  ===========================================  ==============================  =====================
 int8     ``round(x / s)`` in -127..127, one a byte     ``s = absmax / 127``, float16   66 (fp32: 256)
-fp8      ``x / s`` as ``float8_e4m3fn``               ``s = absmax / 448``, float16   66
+fp8      ``x / s`` as ``float8_e4m3fn``               ``s = absmax / 448``, float16   V 66, K 74 (block 16)
 int4     ``round((x - m) / s)`` in 0..15, two a byte  ``s = (max - m) / 15``, ``m``   V 40, K 48 (block 16)
 int2     ``round((x - m) / s)`` in 0..3, four a byte  ``s = (max - m) / 3``, ``m``    V 32, K 32 (demoted only)
 =======  ===========================================  ==============================  =====================
 
 The pool's int4 is KIVI's layout: values per token in groups of 32 channels (``GroupedCodec``, a grid per group),
 keys per channel within a block (``ChannelKeyCodec``, a grid per channel over the block's tokens, spread over its
-rows). Demoted blocks (``confkv/kv/demoted.py``) use the same layout at int4 and at int2 (``bits=2``: four levels,
-KIVI's 2-bit layout, values in groups of 16); int2 is never the pool's own dtype.
+rows). The pool's fp8 keys are their block's mean per channel (float16, spread the same way) plus an fp8 row of
+what is left (``Fp8KeyCodec``); its values are ``Fp8Codec`` rows. Demoted blocks (``confkv/kv/demoted.py``) use
+the int4 layout at int4 and at int2 (``bits=2``: four levels, KIVI's 2-bit layout, values in groups of 16); int2 is
+never the pool's own dtype.
 
 int4 is asymmetric (a zero point ``m``, the minimum): at 16 levels a symmetric grid wastes one level and, on a row
 whose values lean to one side, half of the others. Scales are kept in float16, rounded before the data are
@@ -274,18 +276,57 @@ class GroupedCodec(KVCodec):
         return self._row.max_error(xs).expand(xs.shape).reshape(x.shape)
 
 
-class ChannelKeyCodec:
+class BlockKeyCodec:
+    """Keys encoded a whole block at a time: besides each row's own bytes, ``block_bytes`` per block and KV head (a
+    grid or an offset per channel, float16) spread over the block's ``block_size`` rows in order, so that a block is
+    still its rows and moves between tiers as the same bytes. ``filled`` (the rows written so far) keeps a partly
+    written block's empty rows out of the block's statistics: the pool re-encodes an open block from its float copy
+    as it fills (``confkv/kv/pool.py``)."""
+
+    name: str
+    bits: int
+
+    def __init__(self, head_dim: int, block_size: int, own_bytes: int, block_bytes: int) -> None:
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self._own = own_bytes
+        self._share = block_bytes // block_size
+
+    def row_bytes(self, head_dim: int | None = None) -> int:
+        return self._own + self._share
+
+    def _real(self, x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        """``[..., bs, 1, 1]``: which rows of blocks ``x`` ``[..., bs, kvh, D]`` are written."""
+        return (torch.arange(self.block_size, device=x.device) < filled[..., None])[..., None, None]
+
+    def _spread(self, per_block: torch.Tensor) -> torch.Tensor:
+        """Float16 values ``[..., 1, kvh, n]`` of each block -> their bytes over its rows ``[..., bs, kvh, 2n/bs]``."""
+        raw = per_block.squeeze(-3).to(_SCALE).contiguous().view(torch.uint8)  # [..., kvh, 2n]
+        return raw.reshape(*raw.shape[:-1], self.block_size, self._share).transpose(-2, -3)
+
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``_spread`` on whole blocks' rows ``[..., bs, kvh, row]``: ``[..., 1, kvh, n]`` float32."""
+        raw = rows[..., self._own :].transpose(-2, -3).contiguous()  # [..., kvh, bs, share]
+        return raw.reshape(*raw.shape[:-2], self.block_size * self._share).view(_SCALE).float().unsqueeze(-3)
+
+    def encode(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks of keys ``[..., block_size, kv_heads, head_dim]`` -> rows ``[..., block_size, kv_heads, row]``."""
+        raise NotImplementedError
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``[..., block_size, kv_heads, row]`` (whole blocks) -> keys ``[..., block_size, kv_heads, D]``."""
+        raise NotImplementedError
+
+
+class ChannelKeyCodec(BlockKeyCodec):
     """Keys per channel within a block (KIVI, 2024), at ``bits`` 4 (the pool's int4) or 2 (demoted int2 copies):
     each channel of a block's keys gets its own scale and zero point over the block's tokens, so an outlier channel
     (RoPE'd keys have several) sets only its own range.
 
     Per-token int4 keys cost +16% perplexity on smollm2 (docs/kv-dtypes.md); the outliers are per channel, so a row's
     one range serves its small channels badly. A block's ``head_dim`` scales and zero points (float16, ``4 *
-    head_dim`` bytes) are spread over its ``block_size`` rows, ``4 * head_dim / block_size`` bytes each, so a block
-    is still its rows and moves between tiers as the same bytes. At head_dim 64 and block 16 a key row is 48 bytes
-    at int4 (32 of data), 32 at int2 (16 of data). ``filled`` (the rows written so far) limits the range to real
-    tokens while a block is open: the pool re-encodes an open block from its float copy as it fills
-    (``confkv/kv/pool.py``).
+    head_dim`` bytes) are spread over its ``block_size`` rows, ``4 * head_dim / block_size`` bytes each. At head_dim
+    64 and block 16 a key row is 48 bytes at int4 (32 of data), 32 at int2 (16 of data).
     """
 
     def __init__(self, head_dim: int, block_size: int, bits: int = 4) -> None:
@@ -297,14 +338,10 @@ class ChannelKeyCodec:
                 f"int{bits} keys per channel: head_dim {head_dim} must be a multiple of {per} and 4 x head_dim a "
                 f"multiple of the block size {block_size}"
             )
+        super().__init__(head_dim, block_size, head_dim * bits // 8, 4 * head_dim)
         self.name = f"int{bits}"
         self.bits = bits
         self._levels = (1 << bits) - 1
-        self.head_dim = head_dim
-        self.block_size = block_size
-
-    def row_bytes(self, head_dim: int | None = None) -> int:
-        return self.head_dim * self.bits // 8 + 4 * self.head_dim // self.block_size
 
     def _grid(self, x: torch.Tensor, filled: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero point ``[..., 1, kvh, D]`` of blocks ``x`` ``[..., bs, kvh, D]`` over their first
@@ -312,7 +349,7 @@ class ChannelKeyCodec:
         xf = x.float()
         lo_in, hi_in = xf, xf
         if filled is not None:
-            real = (torch.arange(self.block_size, device=x.device) < filled[..., None])[..., None, None]
+            real = self._real(x, filled)
             lo_in = xf.masked_fill(~real, float("inf"))
             hi_in = xf.masked_fill(~real, float("-inf"))
         lo = lo_in.amin(-3, keepdim=True)
@@ -323,22 +360,14 @@ class ChannelKeyCodec:
         return s, lo
 
     def encode(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
-        """Blocks of keys ``[..., block_size, kv_heads, head_dim]`` -> rows ``[..., block_size, kv_heads, row]``."""
-        bs, d = self.block_size, self.head_dim
         s, lo = self._grid(x, filled)
         q = ((x.float() - lo) / s.clamp_min(_TINY)).round_().clamp_(0, self._levels).to(torch.uint8)
-        packed = _pack(q, self.bits)
-        grid = torch.cat([s, lo], dim=-1).squeeze(-3).to(_SCALE).contiguous().view(torch.uint8)  # [..., kvh, 4D]
-        grid = grid.reshape(*grid.shape[:-1], bs, 4 * d // bs).transpose(-2, -3)  # [..., bs, kvh, 4D/bs]
-        return torch.cat([packed, grid], dim=-1)
+        return torch.cat([_pack(q, self.bits), self._spread(torch.cat([s, lo], dim=-1))], dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``[..., block_size, kv_heads, row]`` (whole blocks) -> keys ``[..., block_size, kv_heads, D]``."""
-        d, data = self.head_dim, self.head_dim * self.bits // 8
-        packed = rows[..., :data]
-        grid = rows[..., data:].transpose(-2, -3).contiguous()  # [..., kvh, bs, 4D/bs]
-        grid = grid.reshape(*grid.shape[:-2], 4 * d).view(_SCALE).float().unsqueeze(-3)  # [..., 1, kvh, 2D]
-        return torch.mul(_unpack(packed, self.bits), grid[..., :d]).add_(grid[..., d:]).to(dtype)
+        d = self.head_dim
+        grid = self._gather(rows)  # [..., 1, kvh, 2D]
+        return torch.mul(_unpack(rows[..., : self._own], self.bits), grid[..., :d]).add_(grid[..., d:]).to(dtype)
 
     def max_error(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
         """Half a step of each channel's grid plus float16 rounding of its zero point, for the filled rows."""
@@ -347,6 +376,53 @@ class ChannelKeyCodec:
         real_lo = xf.amin(-3, keepdim=True) if filled is None else lo
         steps = (self._levels + 1) * s * 2**-10
         return s * 0.5 + (real_lo - lo).abs() + steps + xf.abs().amax(-3, keepdim=True) * 2**-10
+
+
+class Fp8KeyCodec(BlockKeyCodec):
+    """The pool's fp8 keys: each block's keys less their mean per channel (float16, over the block's written rows),
+    the rest in e4m3 with a scale per token and KV head (``Fp8Codec``'s rows), the mean added back on reading.
+
+    e4m3's 3 mantissa bits cost keys a relative error of up to 2^-4 in every element, and the channels RoPE leaves
+    large (its slow pairs) carry most of ``q . k``: plain fp8 keys cost +1.12% perplexity on smollm2's 3,000-token
+    texts. Those channels hold nearly the same value across a block's tokens, so the residual is small and so is its
+    rounding; the mean itself is float16. The per-channel shift is also what a query's softmax cannot see within one
+    block (SageAttention's smoothing of K, 2024, which subtracts one mean over the whole context): keys less their
+    block mean cost +0.12% (``benchmarks/fp8_ablation.py --suite standard``, docs/kv-dtypes.md). A key row is
+    ``[D e4m3 codes | float16 scale | 2D/bs bytes of the block's means]``: 74 bytes at head_dim 64 and block 16.
+    """
+
+    def __init__(self, head_dim: int, block_size: int) -> None:
+        if (2 * head_dim) % block_size:
+            raise ValueError(f"fp8 keys: 2 x head_dim ({head_dim}) must be a multiple of the block size {block_size}")
+        super().__init__(head_dim, block_size, head_dim + Fp8Codec.extra_bytes, 2 * head_dim)
+        self.name = "fp8"
+        self.bits = 8
+        self._rows = Fp8Codec()
+
+    def _mean(self, x: torch.Tensor, filled: torch.Tensor | None) -> torch.Tensor:
+        """Each block's mean key per channel ``[..., 1, kvh, D]`` over its written rows, rounded to float16."""
+        xf = x.float()
+        if filled is None:
+            return xf.mean(-3, keepdim=True).to(_SCALE).float()
+        count = filled.clamp_min(1).to(xf.dtype)[..., None, None, None]
+        return (xf * self._real(x, filled)).sum(-3, keepdim=True).div_(count).to(_SCALE).float()
+
+    def encode(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
+        mean = self._mean(x, filled)
+        return torch.cat([self._rows.encode(x.float() - mean), self._spread(mean)], dim=-1)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._rows.decode(rows[..., : self._own], torch.float32).add_(self._gather(rows)).to(dtype)
+
+    def block_means(self, rows: torch.Tensor) -> torch.Tensor:
+        """Whole blocks' rows ``[..., bs, kvh, row]`` -> each block's mean key ``[..., kvh, D]`` (float32), what a
+        reader that folds the mean into its scores (``q . mean`` once per block) needs."""
+        return self._gather(rows).squeeze(-3)
+
+    def max_error(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp8 rows' bound on the residual (the float16 mean is exact as stored), plus float32 rounding."""
+        residual = x.float() - self._mean(x, filled)
+        return self._rows.max_error(residual) + x.float().abs() * 2**-22
 
 
 class KVFormat:
@@ -367,9 +443,11 @@ class KVFormat:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: head_dim {head_dim} does not pack into whole bytes")
         if self.v_codec is not None:  # a geometry the codec cannot lay out is refused here, not at the first write
             self.v_codec.encode(torch.zeros(1, head_dim))
-        self.k_codec: KVCodec | ChannelKeyCodec | None = (
-            ChannelKeyCodec(head_dim, block_size) if kv_cache_dtype == "int4" else self.v_codec
-        )
+        self.k_codec: KVCodec | BlockKeyCodec | None = self.v_codec
+        if kv_cache_dtype == "int4":
+            self.k_codec = ChannelKeyCodec(head_dim, block_size)
+        elif kv_cache_dtype == "fp8":
+            self.k_codec = Fp8KeyCodec(head_dim, block_size)
         #: The dtype of stored rows: bytes for a quantised format.
         self.storage_dtype = compute_dtype if self.v_codec is None else torch.uint8
         self.k_row = head_dim if self.k_codec is None else self.k_codec.row_bytes(head_dim)
@@ -381,7 +459,7 @@ class KVFormat:
 
     @property
     def record_dtype(self) -> str:
-        """``"float32"`` (torch's spelling of the model's dtype) or ``"kv-int8"``, ``"kv-fp8"``, ``"kv-int4c"``."""
+        """``"float32"`` (torch's spelling of the model's dtype) or ``"kv-int8"``, ``"kv-fp8c"``, ``"kv-int4c"``."""
         return str(self.compute_dtype).removeprefix("torch.") if self.v_codec is None else RECORD_DTYPES[self.name]
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int) -> int:
@@ -394,7 +472,7 @@ class KVFormat:
         per block, ``[...]``) keeps a partly filled block's empty rows out of a per-channel grid."""
         if self.k_codec is None:
             return x.to(self.storage_dtype)
-        if isinstance(self.k_codec, ChannelKeyCodec):
+        if isinstance(self.k_codec, BlockKeyCodec):
             return self.k_codec.encode(x, filled)
         return self.k_codec.encode(x)
 
@@ -428,9 +506,10 @@ class KVFormat:
 
 
 _CODECS: dict[str, type[KVCodec]] = {"int8": Int8Codec, "fp8": Fp8Codec, "int4": GroupedCodec}
-#: A session record's dtype for each quantised ``kv_cache_dtype``. int4 is ``kv-int4c`` (keys per channel): the
-#: earlier per-token int4 rows, recorded as ``kv-int4``, are foreign to it.
-RECORD_DTYPES: dict[str, str] = {"int8": "kv-int8", "fp8": "kv-fp8", "int4": "kv-int4c"}
+#: A session record's dtype for each quantised ``kv_cache_dtype``. int4 is ``kv-int4c`` (keys per channel) and fp8
+#: ``kv-fp8c`` (keys less their block's mean per channel): the earlier rows of each, recorded as ``kv-int4`` and
+#: ``kv-fp8``, are foreign to them.
+RECORD_DTYPES: dict[str, str] = {"int8": "kv-int8", "fp8": "kv-fp8c", "int4": "kv-int4c"}
 
 
 def codec_for(kv_cache_dtype: str) -> KVCodec | None:
