@@ -60,7 +60,7 @@ def decode_attention(
         bs = pool.block_size
         means = pool.fmt.k_codec.block_means(k_rows.view(n, -1, bs, kvh, pool.k_row))  # [n, blocks, kvh, D]
         bias = torch.matmul(q, means.permute(0, 2, 3, 1)).mul_(scaling)  # [n, kvh, g, blocks]
-        scores += bias.repeat_interleave(bs, dim=-1)
+        scores.view(*bias.shape, bs).add_(bias.unsqueeze(-1))
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).mul_(v_scale[:, :, None, :])
     return torch.matmul(p, v_codes).to(qg.dtype)
