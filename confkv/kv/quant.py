@@ -385,9 +385,9 @@ class Fp8KeyCodec(BlockKeyCodec):
     e4m3's 3 mantissa bits cost keys a relative error of up to 2^-4 in every element, and the channels RoPE leaves
     large (its slow pairs) carry most of ``q . k``: plain fp8 keys cost +1.12% perplexity on smollm2's 3,000-token
     texts. Those channels hold nearly the same value across a block's tokens, so the residual is small and so is its
-    rounding; the mean itself is float16. The per-channel shift is also what a query's softmax cannot see within one
-    block (SageAttention's smoothing of K, 2024, which subtracts one mean over the whole context): keys less their
-    block mean cost +0.12% (``benchmarks/fp8_ablation.py --suite standard``, docs/kv-dtypes.md). A key row is
+    rounding; the mean itself is float16 (SageAttention, 2024, smooths K by one mean over the whole context, which
+    softmax does not see; a mean per block keeps a block self-contained and follows RoPE's slow drift): keys less
+    their block mean cost +0.12% (``benchmarks/fp8_ablation.py --suite standard``, docs/kv-dtypes.md). A key row is
     ``[D e4m3 codes | float16 scale | 2D/bs bytes of the block's means]``: 74 bytes at head_dim 64 and block 16.
     """
 
