@@ -149,3 +149,28 @@ def test_a_preempted_sequence_swaps_when_the_host_has_room_in_its_own_form():
     assert blocks > 0 and per_block * 3 < engine.pool.bytes_per_block  # int8 rows against float32 ones
     engine.host.capacity_bytes = blocks * per_block
     assert engine.scheduler._swap_out(seq) and engine.host.used_bytes == blocks * per_block
+
+
+def test_an_fp8_session_keeps_its_block_means_and_names_its_rows(tmp_path):
+    """fp8 keys carry their block's means inside the rows, so a record holds them as bytes like any other row: it is
+    ``kv-fp8c``, resumes from the store under fp8 with its history reused, and an int8 engine refuses it."""
+    url = str(tmp_path / "sessions")
+
+    def to_store(llm, i):
+        assert llm.engine.flush_sessions() == 1
+        llm.engine.sessions.parked.clear()
+
+    first = _llm("fp8", sessions=SessionOptions(store_url=url))
+    outs = _chat(first, "s", between=to_store)
+    assert all(o.cached_tokens > 0 for o in outs[1:]) and first.engine.stats()["session_hits"]["store"] == 2
+    assert first.engine.flush_sessions() == 1
+    pool = first.engine.pool
+    first.close()
+    record = SessionStore(url).get("s", expect={"dtype": "kv-fp8c"})
+    block = next(iter(record.blocks.values()))
+    assert block.k.shape[-1] == pool.k_row == pool.head_dim + 2 + 2 * pool.head_dim // pool.block_size
+    messages = [{"role": "user", "content": TURNS[0]}]
+    int8 = _llm("int8", sessions=SessionOptions(store_url=url))
+    (out,) = int8.chat([messages], PARAMS, session_id="s")
+    assert out.cached_tokens == 0 and int8.engine.stats()["session_faults"]["foreign"] == 1
+    int8.close()
