@@ -35,7 +35,7 @@ from functools import partial
 
 import torch
 from common import parser
-from int4_ablation import run_ablation
+from int4_ablation import reencoding_store, run_ablation
 
 from confkv.kv.pool import BlockPool
 from confkv.kv.quant import Fp8Codec, Fp8KeyCodec, Int4Codec, Int8Codec, KVCodec
@@ -91,10 +91,13 @@ def rounder(mode: str):
 
 def offset_store(how: str):
     """Keys less a per-channel offset of their block (``how``: ``mean``, the engine's ``Fp8KeyCodec``, or ``mid``,
-    the midrange over the written rows), rounded through fp8 and the offset added back; values through fp8 per
-    token. Keeps the exact keys of every block it wrote, and re-rounds a block whole at each write."""
+    the midrange over the written rows), rounded through fp8 and the offset added back, re-rounded whole at each
+    write as the pool does; values through fp8 per token."""
     values = Fp8Codec()
-    shadows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mean(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        keys = Fp8KeyCodec(x.shape[-1], x.shape[1])
+        return keys.decode(keys.encode(x, n), torch.float32)
 
     def mid(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         real = (torch.arange(x.shape[1])[None, :] < n[:, None])[..., None, None]
@@ -103,33 +106,7 @@ def offset_store(how: str):
         off = ((hi + lo) / 2).half().float()
         return _codec_round(values, x - off) + off
 
-    def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        bs = pool.block_size
-        if id(pool) not in shadows:
-            shadows.clear()  # one engine at a time: an older pool's copies are no longer read
-            shadows[id(pool)] = (
-                torch.zeros(pool.k.shape, dtype=torch.float32),
-                torch.zeros((pool.num_layers, pool.num_blocks), dtype=torch.long),
-            )
-        exact, filled = shadows[id(pool)]
-        exact[layer].index_copy_(0, slots, k.float())
-        blocks = torch.unique(slots // bs)
-        for b in blocks.tolist():
-            offsets = slots[slots // bs == b] % bs
-            first, last = int(offsets.min()), int(offsets.max()) + 1
-            filled[layer, b] = last if first == 0 else max(int(filled[layer, b]), last)
-        n = filled[layer, blocks]  # rows written in each touched block
-        x = exact[layer].view(pool.num_blocks, bs, *exact.shape[2:])[blocks]  # [nb, bs, kvh, D]
-        if how == "mean":
-            keys = Fp8KeyCodec(x.shape[-1], bs)
-            rounded = keys.decode(keys.encode(x, n), torch.float32)
-        else:
-            rounded = mid(x, n)
-        by_block = pool.k[layer].view(pool.num_blocks, bs, *pool.k.shape[2:])
-        by_block.index_copy_(0, blocks, rounded.to(pool.k.dtype))
-        pool.v[layer].index_copy_(0, slots, _codec_round(values, v))
-
-    return store
+    return reencoding_store(mean if how == "mean" else mid, partial(_codec_round, values))
 
 
 def fake_store(mode: str):

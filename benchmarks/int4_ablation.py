@@ -8,8 +8,11 @@ rounding differs from ``auto``). Modes: ``token``: keys and values per token (th
 ``kv_cache_dtype: int4`` did before keys per channel); ``kivi``: values per token, keys per channel over each full
 block, an open block's keys left exact until it fills (KIVI's float tail); ``konly``: only the keys, as ``kivi``;
 ``vonly``: only the values, per token; ``vg32``: only the values, per token in groups of 32 channels;
-``kivi_vg32``: ``kivi`` with values in groups of 32. This is a measurement aid, not the engine's path:
-``kv_cache_dtype: int4`` itself is measured by ``benchmarks/kv_dtypes.py``.
+``kivi_vg32``: ``kivi`` with values in groups of 32; ``engine_vgG``: the engine's int4 keys (per channel of a
+block, an open block re-encoded from its exact keys at every write, as the pool does) with values per token in
+groups of G channels (``engine_vg32`` is ``kv_cache_dtype: int4``; ``engine_vg0`` leaves the values exact;
+``--suite standard --kv-cache-memory 1GiB`` for the 3,000-token texts). This is a measurement aid, not the engine's
+path: ``kv_cache_dtype: int4`` itself is measured by ``benchmarks/kv_dtypes.py``.
 
 ``--windows 0,16,32,64``: a float window of the last R tokens (HF ``QuantizedCache``'s and KIVI's residual length):
 keys per channel of a block and values per token in groups of 32 (the engine's int4), but a block is rounded only
@@ -31,7 +34,7 @@ from kv_dtypes import perplexity
 from confkv.bench.evaluator import build_workloads
 from confkv.bench.specs import suite_spec
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import Int4Codec
+from confkv.kv.quant import ChannelKeyCodec, Int4Codec
 
 _INT4 = Int4Codec()
 _STORE = BlockPool.store
@@ -90,6 +93,47 @@ def window_store(window: int):
     return store
 
 
+def reencoding_store(round_keys: Callable, round_values: Callable):
+    """A store that rounds as the pool does for keys coded a block at a time: it keeps the exact keys of every block
+    it wrote, and at each write re-rounds every touched block whole from them (``round_keys(x, filled)``, ``x`` the
+    blocks ``[nb, bs, kvh, D]``, ``filled`` their written rows ``[nb]``), so an open block is rounded over its written
+    rows and nothing compounds; values through ``round_values`` per token. One engine's pool at a time."""
+    shadows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        bs = pool.block_size
+        if id(pool) not in shadows:
+            shadows.clear()  # an older pool's copies are no longer read
+            shadows[id(pool)] = (
+                torch.zeros(pool.k.shape, dtype=torch.float32),
+                torch.zeros((pool.num_layers, pool.num_blocks), dtype=torch.long),
+            )
+        exact, filled = shadows[id(pool)]
+        exact[layer].index_copy_(0, slots, k.float())
+        blocks = torch.unique(slots // bs)
+        for b in blocks.tolist():
+            offsets = slots[slots // bs == b] % bs
+            first, last = int(offsets.min()), int(offsets.max()) + 1
+            filled[layer, b] = last if first == 0 else max(int(filled[layer, b]), last)
+        x = exact[layer].view(pool.num_blocks, bs, *exact.shape[2:])[blocks]  # [nb, bs, kvh, D]
+        by_block = pool.k[layer].view(pool.num_blocks, bs, *pool.k.shape[2:])
+        by_block.index_copy_(0, blocks, round_keys(x, filled[layer, blocks]).to(pool.k.dtype))
+        pool.v[layer].index_copy_(0, slots, round_values(v.float()).to(pool.v.dtype))
+
+    return store
+
+
+def engine_store(group: int):
+    """The engine's int4 (keys per channel of a block, re-encoded as it fills) with values in groups of ``group``
+    (0: values exact, the keys' share alone)."""
+
+    def keys(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        codec = ChannelKeyCodec(x.shape[-1], x.shape[1])
+        return codec.decode(codec.encode(x, filled), torch.float32)
+
+    return reencoding_store(keys, partial(_per_group, group=group) if group else (lambda v: v))
+
+
 def pooled(args, loaded, items) -> float:
     """Perplexity over all items' tokens, each item scored by its own engine."""
     nll = n = 0.0
@@ -128,8 +172,14 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--modes", default="token,kivi,konly,vonly")
     p.add_argument("--windows", default="", help="float windows R (tokens, multiples of the block) to measure")
+    p.add_argument("--suite", choices=("quick", "standard"), default="quick", help="whose held-out prose")
+    p.add_argument("--kv-cache-memory", default="64MiB", help="each scoring engine's pool (standard suite: 1GiB)")
     args = p.parse_args()
-    modes = [(mode, partial(fake_store, mode), False) for mode in filter(None, args.modes.split(","))]
+    modes = [
+        (mode, partial(engine_store, int(mode[len("engine_vg") :])) if mode.startswith("engine_vg") else
+         partial(fake_store, mode), False)
+        for mode in filter(None, args.modes.split(","))
+    ]  # fmt: skip
     windows = [(f"window{w}", partial(window_store, int(w)), True) for w in filter(None, args.windows.split(","))]
     run_ablation(args, modes + windows)
 
