@@ -8,7 +8,9 @@ token, every token scored); the exp of the mean NLL over all items' tokens, and 
 Step time: ``--batch`` sequences of ``--context`` tokens (windows of README.md) decode under ``full``; after 20
 steps to settle, ``--steps`` steps are timed (as ``benchmarks/decode_step.py`` does); ``--repeats`` alternating
 rounds over the dtypes, the median kept, so that a neighbour's load on a shared CPU falls on every dtype alike.
-Also reported: bytes of K and V per token and the tokens a 64 MiB pool holds at each dtype. An entry of
+Also reported: of each step, the milliseconds spent in the pool's writes (``DTYPE_store_ms``: quantising the new
+rows, and re-encoding the open blocks of int4 and fp8 keys); bytes of K and V per token and the tokens a 64 MiB pool
+holds at each dtype. An entry of
 ``--dtypes`` may name a float window, ``DTYPE@R`` (``int4@32``: ``kv_cache_dtype: int4``, ``kv_float_window: 32``);
 its perplexity run also reports the mean bytes a token held, the window's copies included
 (``R_mean_bytes_per_token``: mean resident bytes plus the window's mean bytes, over the mean resident tokens,
@@ -75,18 +77,30 @@ def decoding_engine(args, loaded, dtype: str, prompts: list[list[int]], window: 
     return llm.engine
 
 
-def step_ms(args, loaded, entry: str, prompts: list[list[int]]) -> float:
+def step_ms(args, loaded, entry: str, prompts: list[list[int]]) -> tuple[float, float]:
+    """Milliseconds a decode step, and of those the pool's writes (``BlockPool.store``, every layer: quantising the
+    new rows, and re-encoding open blocks where keys are coded a block at a time)."""
     dtype, window = split_entry(entry)
     engine = decoding_engine(args, loaded, dtype, prompts, window)
+    pool, spent = engine.pool, [0.0]
+    store = pool.store
+
+    def timed_store(*a, **kw) -> None:
+        t = time.perf_counter()
+        store(*a, **kw)
+        spent[0] += time.perf_counter() - t
+
+    pool.store = timed_store  # the instance's own attribute: what attention calls
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     elapsed = time.perf_counter() - t0
+    del pool.store
     if len(engine.scheduler.running) != args.batch:
         raise SystemExit("a sequence finished during the timed steps: the step is not the one asked for")
     for i in range(args.batch):
         engine.abort_request(str(i))
-    return elapsed / args.steps * 1000
+    return elapsed / args.steps * 1000, spent[0] / args.steps * 1000
 
 
 def main() -> None:
@@ -147,11 +161,15 @@ def main() -> None:
     if not args.no_step:
         prompts = readme_windows(loaded, args.context, args.batch)
         times: dict[str, list[float]] = {d: [] for d in dtypes}
+        stores: dict[str, list[float]] = {d: [] for d in dtypes}
         for _ in range(args.repeats):
             for dtype in dtypes:
-                times[dtype].append(step_ms(args, loaded, dtype, prompts))
+                step, store = step_ms(args, loaded, dtype, prompts)
+                times[dtype].append(step)
+                stores[dtype].append(store)
         for dtype in dtypes:
             result[f"{dtype}_step_ms"] = statistics.median(times[dtype])
+            result[f"{dtype}_store_ms"] = statistics.median(stores[dtype])
             if "auto" in times:
                 result[f"{dtype}_step_vs_auto"] = result[f"{dtype}_step_ms"] / statistics.median(times["auto"])
     result["seconds"] = round(time.perf_counter() - t_start, 1)

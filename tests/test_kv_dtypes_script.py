@@ -25,3 +25,13 @@ def test_a_pool_too_small_for_the_texts_is_a_one_line_error() -> None:
     assert done.returncode == 2
     assert "--kv-cache-memory 16KiB: a scored text does not fit in the KV pool" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_step_reports_the_pools_writes_within_it() -> None:
+    """The step's share spent in the pool's writes is measured at every dtype (the calls attention makes)."""
+    run = [sys.executable, str(ROOT / "benchmarks/kv_dtypes.py"), "--model", "tiny-random", "--dtypes", "auto,fp8",
+           "--no-ppl", "--context", "40", "--batch", "2", "--steps", "3", "--repeats", "1", "--json",
+           "--threads", "1"]  # fmt: skip
+    out = json.loads(subprocess.run(run, check=True, capture_output=True, text=True, cwd=ROOT).stdout)
+    for dtype in ("auto", "fp8"):
+        assert 0 < out[f"{dtype}_store_ms"] < out[f"{dtype}_step_ms"], out
