@@ -19,9 +19,9 @@ pool, a prompt's first chunk also attends to rounded keys, so the costs here are
 * ``fp8_kmean`` / ``fp8_kmid``: keys less a per-channel offset over their block's written rows (the mean, as the
   engine's ``Fp8KeyCodec`` now stores fp8 keys, or the midrange; float16), then fp8 per token, the offset added
   back; values fp8. An open block is re-rounded from its exact keys at every write, as the pool re-encodes an open
-  block of block-coded keys. Softmax does not change when every key of a query's context shifts by one vector, so
-  within a block only the residual's rounding reaches ``q . k`` (SageAttention's smoothing of K, 2024, done here
-  per block so a block stays self-contained).
+  block of block-coded keys. The offset is kept in float16 and added back, so only the residual's rounding reaches
+  ``q . k`` (SageAttention's smoothing of K, 2024, subtracts one mean over all keys, which softmax does not see;
+  here one per block, so a block stays self-contained).
 
 ``--suite standard`` scores the standard suite's 3,000-token held-out texts instead of the quick suite's (give it
 ``--kv-cache-memory 1GiB``).
