@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from common import load, parser, report, setup
 
-from confkv.kv.quant import KVFormat
+from confkv.kv.kv_format import KVFormat
 from confkv.sessions import BlockKV, SessionRecord, decode, encode, model_fingerprint, read_header
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,8 +13,9 @@ import torch
 from confkv import LLM
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
+from confkv.kv.kv_format import KVFormat, codec_for
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import KV_CACHE_DTYPES, ChannelKeyCodec, Fp8Codec, Fp8KeyCodec, Int4Codec, KVFormat, codec_for
+from confkv.kv.quant import KV_CACHE_DTYPES, ChannelKeyCodec, Fp8Codec, Fp8KeyCodec, Int4Codec
 
 from .conftest import fresh_tiny
 

@@ -36,8 +36,8 @@ from confkv.controllers import Controller
 from confkv.kv.block_table import DROPPED, ON_HOST, BlockTable
 from confkv.kv.demoted import DemotedTier
 from confkv.kv.host import HostTier
+from confkv.kv.kv_format import KVFormat
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import KVFormat
 from confkv.scorers import BlockView
 
 

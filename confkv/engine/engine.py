@@ -45,8 +45,8 @@ from confkv.engine.stopping import output_text
 from confkv.errors import ConfkvError
 from confkv.kv import attention, kernel
 from confkv.kv.host import HostTier
+from confkv.kv.kv_format import KVFormat
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import KVFormat
 from confkv.model_loader import LoadedModel, load_model, resolve_device
 from confkv.sessions.record import model_fingerprint
 from confkv.sessions.state import SessionOptions

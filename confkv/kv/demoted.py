@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv.kv.quant import ChannelKeyCodec, GroupedCodec, KVCodec, KVFormat
+from confkv.kv.kv_format import KVFormat
+from confkv.kv.quant import ChannelKeyCodec, GroupedCodec, KVCodec
 
 BlockKey = tuple[int, int]  # (sequence id, logical block index)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv.kv.quant import KVFormat
+from confkv.kv.kv_format import KVFormat
 
 BlockKey = tuple[int, int]  # (sequence id, logical block index)
 

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from confkv.errors import ConfkvError
-from confkv.kv.quant import BlockKeyCodec, KVCodec, KVFormat
+from confkv.kv.kv_format import KVFormat
+from confkv.kv.quant import BlockKeyCodec, KVCodec
 from confkv.kv.window import FloatWindow
 
 

@@ -47,7 +47,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from confkv.kv.quant import RECORD_DTYPES
+from confkv.kv.kv_format import RECORD_DTYPES
 from confkv.sessions.errors import CorruptRecord, ForeignRecord
 
 FORMAT_VERSION = 1
