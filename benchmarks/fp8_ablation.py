@@ -35,7 +35,7 @@ from functools import partial
 
 import torch
 from common import parser
-from int4_ablation import reencoding_store, run_ablation
+from int4_ablation import block_round, reencoding_store, run_ablation
 
 from confkv.kv.pool import BlockPool
 from confkv.kv.quant import Fp8Codec, Fp8KeyCodec, Int4Codec, Int8Codec, KVCodec
@@ -95,10 +95,6 @@ def offset_store(how: str):
     write as the pool does; values through fp8 per token."""
     values = Fp8Codec()
 
-    def mean(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        keys = Fp8KeyCodec(x.shape[-1], x.shape[1])
-        return keys.decode(keys.encode(x, n), torch.float32)
-
     def mid(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         real = (torch.arange(x.shape[1])[None, :] < n[:, None])[..., None, None]
         hi = x.masked_fill(~real, float("-inf")).amax(1, keepdim=True)
@@ -106,7 +102,7 @@ def offset_store(how: str):
         off = ((hi + lo) / 2).half().float()
         return _codec_round(values, x - off) + off
 
-    return reencoding_store(mean if how == "mean" else mid, partial(_codec_round, values))
+    return reencoding_store(block_round(Fp8KeyCodec) if how == "mean" else mid, partial(_codec_round, values))
 
 
 def fake_store(mode: str):

@@ -58,6 +58,9 @@ def _per_channel(x: torch.Tensor) -> torch.Tensor:
 
 
 def fake_store(mode: str):
+    if mode.startswith("engine_vg"):
+        return engine_store(int(mode.removeprefix("engine_vg")))
+
     def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if mode in ("token", "kivi", "vonly"):
             v = _per_token(v)
@@ -123,15 +126,21 @@ def reencoding_store(round_keys: Callable, round_values: Callable):
     return store
 
 
+def block_round(codec_type: type) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``round_keys`` for ``reencoding_store``: blocks through an engine block-key codec (``codec_type(head_dim,
+    block_size)``) and back."""
+
+    def round_keys(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        codec = codec_type(x.shape[-1], x.shape[1])
+        return codec.decode(codec.encode(x, filled), torch.float32)
+
+    return round_keys
+
+
 def engine_store(group: int):
     """The engine's int4 (keys per channel of a block, re-encoded as it fills) with values in groups of ``group``
     (0: values exact, the keys' share alone)."""
-
-    def keys(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
-        codec = ChannelKeyCodec(x.shape[-1], x.shape[1])
-        return codec.decode(codec.encode(x, filled), torch.float32)
-
-    return reencoding_store(keys, partial(_per_group, group=group) if group else (lambda v: v))
+    return reencoding_store(block_round(ChannelKeyCodec), partial(_per_group, group=group) if group else (lambda v: v))
 
 
 def pooled(args, loaded, items) -> float:
@@ -175,11 +184,7 @@ def main() -> None:
     p.add_argument("--suite", choices=("quick", "standard"), default="quick", help="whose held-out prose")
     p.add_argument("--kv-cache-memory", default="64MiB", help="each scoring engine's pool (standard suite: 1GiB)")
     args = p.parse_args()
-    modes = [
-        (mode, partial(engine_store, int(mode[len("engine_vg") :])) if mode.startswith("engine_vg") else
-         partial(fake_store, mode), False)
-        for mode in filter(None, args.modes.split(","))
-    ]  # fmt: skip
+    modes = [(mode, partial(fake_store, mode), False) for mode in filter(None, args.modes.split(","))]
     windows = [(f"window{w}", partial(window_store, int(w)), True) for w in filter(None, args.windows.split(","))]
     run_ablation(args, modes + windows)
 
