@@ -17,6 +17,16 @@ its perplexity run also reports the mean bytes a token held, the window's copies
 summed over items). With ``--demote``, the
 suite's scaled ``dynamic`` (as ``confkv bench`` runs it) on the same prose at ``demote_dtype`` none and each of
 ``--demote``: perplexity, and the KV bytes it held (mean resident, plus the demoted copies' peak) over ``full``'s.
+
+``--jitter N`` scores every entry N more times, each with the K and V the pool is given multiplied by ``1 + e``, ``e``
+drawn per element from a normal of standard deviation ``--jitter-scale`` (1e-6, seeded 1..N): far below any
+format's rounding step, and of the size by which two CPUs' float32 arithmetic differs. A quantised format rounds
+a few elements that lie near a step's edge the other way, the next layers see slightly different keys, and on
+2,046 tokens the perplexity delta moves by tenths of a point (int4 on the quick suite read +1.61% on one CPU and
++1.19% on another, same code): a single run is one draw of the rounding, and the mark is a property of the
+format, not of that draw. Reported per entry: ``DTYPE_jitter_ppl_delta_pct`` (each draw against unperturbed
+``auto``), their mean and its 95% t-interval (``_mean``, ``_ci95``), min and max; ``auto``'s draws are the control
+(a float pool rounds nothing, so they should stay within float noise of zero).
 """
 
 from __future__ import annotations
@@ -24,11 +34,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 
+import torch
 from common import load, parser, readme_windows, report, setup, start_decoding
 
 from confkv import LLM, SamplingParams
 from confkv.bench.evaluator import build_workloads
+from confkv.bench.intervals import t_interval
 from confkv.bench.specs import scaled_dynamic, suite_spec
 from confkv.errors import ConfkvError
 
@@ -42,12 +55,32 @@ def split_entry(entry: str) -> tuple[str, int]:
     return dtype, int(window or 0)
 
 
-def scored(args, loaded, dtype: str, items: list, policy="full", window: int = 0) -> list:
+def jittered(store: Callable, seed: int, scale: float) -> Callable:
+    """``store`` (a pool's, bound) given K and V each multiplied by ``1 + e``, ``e ~ N(0, scale)`` per element
+    from a generator seeded ``seed``: one more draw of what the pool's rounding does with nearly the same input."""
+    gens: dict[torch.device, torch.Generator] = {}
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        gen = gens.setdefault(x.device, torch.Generator(x.device).manual_seed(seed))
+        e = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32)
+        return (x.float() * e.mul_(scale).add_(1.0)).to(x.dtype)
+
+    def store_(layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        store(layer, slots, noisy(k), noisy(v))
+
+    return store_
+
+
+def scored(args, loaded, dtype: str, items: list, policy="full", window: int = 0, jitter_seed: int = 0) -> list:
     """Every item scored teacher-forced, as the bench scores its prose (``ScoreResult`` each). The pool is
-    ``--kv-cache-memory`` where the caller's parser has it (``int4_ablation.py``'s keeps 64 MiB)."""
+    ``--kv-cache-memory`` where the caller's parser has it (``int4_ablation.py``'s keeps 64 MiB); with
+    ``jitter_seed`` its writes are perturbed (``jittered``, ``--jitter-scale``)."""
     memory = getattr(args, "kv_cache_memory", POOL)
     llm = LLM(args.model, policy, loaded=loaded, kv_cache_dtype=dtype, kv_cache_memory=memory,
               kv_float_window=window)  # fmt: skip
+    if jitter_seed:
+        pool = llm.engine.pool
+        pool.store = jittered(pool.store, jitter_seed, args.jitter_scale)  # the instance's: what attention calls
     return llm.score([list(it.prompt_ids) for it in items], [max(1, it.score_from or 1) for it in items])
 
 
@@ -103,6 +136,24 @@ def step_ms(args, loaded, entry: str, prompts: list[list[int]]) -> tuple[float, 
     return elapsed / args.steps * 1000, spent[0] / args.steps * 1000
 
 
+def jitter_draws(args, loaded, dtypes: list[str], items: list, result: dict, p) -> None:
+    """``--jitter`` draws of every entry's perplexity delta against unperturbed ``auto`` (``result["auto_ppl"]``),
+    with their mean, its 95% t-interval, min and max."""
+    if "auto_ppl" not in result:
+        p.error("--jitter measures deltas against auto: list auto in --dtypes")
+    for entry in dtypes:
+        kv_dtype, window = split_entry(entry)
+        deltas = []
+        for seed in range(1, args.jitter + 1):
+            runs = scored(args, loaded, kv_dtype, items, window=window, jitter_seed=seed)
+            deltas.append(100 * (perplexity(args, loaded, kv_dtype, items, results=runs)[0] / result["auto_ppl"] - 1))
+        result[f"{entry}_jitter_ppl_delta_pct"] = deltas
+        result[f"{entry}_jitter_ppl_delta_pct_mean"] = statistics.fmean(deltas)
+        result[f"{entry}_jitter_ppl_delta_pct_ci95"] = t_interval(deltas)
+        result[f"{entry}_jitter_ppl_delta_pct_min"] = min(deltas)
+        result[f"{entry}_jitter_ppl_delta_pct_max"] = max(deltas)
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--suite", default="quick", choices=("quick", "standard"))
@@ -117,6 +168,8 @@ def main() -> None:
         "--kv-cache-memory", default="64MiB", help="each scoring engine's pool (the standard suite's texts: 1GiB)"
     )
     p.add_argument("--demote", default="", help="also dynamic at these demote_dtypes (int4,int2) and none")
+    p.add_argument("--jitter", type=int, default=0, help="N more draws of each entry's perplexity, writes perturbed")
+    p.add_argument("--jitter-scale", type=float, default=1e-6, help="relative size of the perturbation")
     args = p.parse_args()
     device, env = setup(args)
     loaded = load(args, device)
@@ -146,6 +199,8 @@ def main() -> None:
                 base_peak = sum(len(it.prompt_ids) for it in items) * result["auto_bytes_per_token"]
             if base_resident:
                 result[f"{dtype}_mean_kv_bytes_vs_full_auto"] = resident / base_resident
+        if args.jitter:
+            jitter_draws(args, loaded, dtypes, items, result, p)
         dynamic = scaled_dynamic(suite_spec(args.model, args.suite).scale)
         for demote in ["none", *filter(None, args.demote.split(","))]:
             ppl, _, resident, demoted = perplexity(args, loaded, "auto", items, dynamic.replace(demote_dtype=demote))

@@ -35,3 +35,26 @@ def test_the_step_reports_the_pools_writes_within_it() -> None:
     out = json.loads(subprocess.run(run, check=True, capture_output=True, text=True, cwd=ROOT).stdout)
     for dtype in ("auto", "fp8"):
         assert 0 < out[f"{dtype}_store_ms"] < out[f"{dtype}_step_ms"], out
+
+
+def test_jitter_draws_the_rounding_again_and_reports_their_spread() -> None:
+    """``--jitter`` perturbs what the pool is given, seeded per draw: two draws of a quantised pool differ, the
+    summary is of the draws listed, and a float pool's draws (the control) stay near zero."""
+    run = [sys.executable, str(ROOT / "benchmarks/kv_dtypes.py"), "--model", "tiny-random", "--dtypes", "auto,int4",
+           "--no-step", "--jitter", "2", "--jitter-scale", "1e-3", "--json", "--threads", "1"]  # fmt: skip
+    out = json.loads(subprocess.run(run, check=True, capture_output=True, text=True, cwd=ROOT).stdout)
+    draws = out["int4_jitter_ppl_delta_pct"]
+    assert len(draws) == 2 and draws[0] != draws[1], draws
+    assert out["int4_jitter_ppl_delta_pct_mean"] == sum(draws) / 2
+    lo, hi = out["int4_jitter_ppl_delta_pct_ci95"]
+    assert lo <= out["int4_jitter_ppl_delta_pct_mean"] <= hi
+    assert out["int4_jitter_ppl_delta_pct_min"] == min(draws) and out["int4_jitter_ppl_delta_pct_max"] == max(draws)
+    assert all(abs(d) < 0.1 for d in out["auto_jitter_ppl_delta_pct"]), out["auto_jitter_ppl_delta_pct"]
+
+
+def test_jitter_without_auto_is_a_one_line_error() -> None:
+    run = [sys.executable, str(ROOT / "benchmarks/kv_dtypes.py"), "--model", "tiny-random", "--dtypes", "int8",
+           "--no-step", "--jitter", "1", "--threads", "1"]  # fmt: skip
+    done = subprocess.run(run, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2
+    assert "--jitter measures deltas against auto" in done.stderr and "Traceback" not in done.stderr
