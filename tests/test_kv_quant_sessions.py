@@ -153,7 +153,7 @@ def test_a_preempted_sequence_swaps_when_the_host_has_room_in_its_own_form():
 
 def test_an_fp8_session_keeps_its_block_means_and_names_its_rows(tmp_path):
     """fp8 keys carry their block's means inside the rows, so a record holds them as bytes like any other row: it is
-    ``kv-fp8c``, resumes from the store under fp8 with its history reused, and an int8 engine refuses it."""
+    ``kv-fp8m``, resumes from the store under fp8 with its history reused, and an int8 engine refuses it."""
     url = str(tmp_path / "sessions")
 
     def to_store(llm, i):
@@ -166,9 +166,9 @@ def test_an_fp8_session_keeps_its_block_means_and_names_its_rows(tmp_path):
     assert first.engine.flush_sessions() == 1
     pool = first.engine.pool
     first.close()
-    record = SessionStore(url).get("s", expect={"dtype": "kv-fp8c"})
+    record = SessionStore(url).get("s", expect={"dtype": "kv-fp8m"})
     block = next(iter(record.blocks.values()))
-    assert block.k.shape[-1] == pool.k_row == pool.head_dim + 2 + 2 * pool.head_dim // pool.block_size
+    assert block.k.shape[-1] == pool.k_row == pool.head_dim + 2 + -(-pool.head_dim // pool.block_size)
     messages = [{"role": "user", "content": TURNS[0]}]
     int8 = _llm("int8", sessions=SessionOptions(store_url=url))
     (out,) = int8.chat([messages], PARAMS, session_id="s")

@@ -11,8 +11,8 @@
 //
 // Row layouts (confkv/kv/quant.py):
 //   int8 (keys and values), fp8 values: [D code bytes | float16 scale]; fp8 codes are e4m3fn.
-//   fp8 keys: [D e4m3fn code bytes | float16 scale | 2D/bs bytes], the block's mean (f16[D], per KV head) spread over
-//     its bs rows in order.
+//   fp8 keys: [D e4m3fn code bytes | float16 scale | ceil(D/bs) bytes], the block's mean (e4m3fn[D], per KV head)
+//     spread over its bs rows in order (zeros after the D bytes).
 //   int4 values: D/G groups of [G/2 bytes, two codes each, first in the low nibble | f16 scale | f16 zero point],
 //     G = min(32, D).
 //   int4 keys (per channel within a block): [D/2 bytes of codes | 4D/bs bytes], the block's grid (f16 scale[D] then
@@ -25,6 +25,7 @@
 // torch path overwrites (FloatWindow.read_into with whole blocks): keys against the query in channel order, values
 // into their own channel-order accumulator, added to the codes' one at the end.
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <c10/util/Half.h>
 
 #include <cmath>
@@ -205,13 +206,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
   const int64_t slots = k.size(0);
   TORCH_CHECK(valid.size(1) == mb * bs && k.size(1) == kvh && v.size(1) == kvh, "decode kernel: shapes disagree");
   const int64_t grp = d < 32 ? d : 32;  // int4 values' group
-  const int64_t ngrp = d / grp, grp_bytes = grp / 2 + 4, share = 4 * d / bs, mean_share = 2 * d / bs;
+  const int64_t ngrp = d / grp, grp_bytes = grp / 2 + 4, share = 4 * d / bs, mean_share = (d + bs - 1) / bs;
   if (format == INT4) {
     TORCH_CHECK(d % 2 == 0 && d % grp == 0 && v_row == ngrp * grp_bytes && k_row == d / 2 + share &&
                     (4 * d) % bs == 0,
                 "decode kernel: not the int4 pool layout");
   } else if (format == FP8) {
-    TORCH_CHECK(k_row == d + 2 + mean_share && v_row == d + 2 && (2 * d) % bs == 0,
+    TORCH_CHECK(k_row == d + 2 + mean_share && v_row == d + 2,
                 "decode kernel: not the fp8 pool layout");
   } else {
     TORCH_CHECK(k_row == d + 2 && v_row == d + 2, "decode kernel: not an int8 pool layout");
@@ -258,7 +259,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
     std::vector<float> scores(g * keys), qs(g * d), acc(g * d), row(d), grid(2 * d), bias(g), lo_acc(g * ngrp), inv(g);
     // the window's rows, in channel order: the scaled query (int4's qs is de-interleaved) and the values' sum
     std::vector<float> qn(windowed ? g * d : 0), wacc(windowed ? g * d : 0);
-    std::vector<uint8_t> grid_bytes(4 * d);
+    std::vector<uint8_t> grid_bytes(std::max(4 * d, bs * mean_share));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / kvh, h = item % kvh;
       const float* qi = qp + item * g * d;
@@ -316,7 +317,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
             for (int64_t t = 0; t < bs; ++t) {
               std::memcpy(grid_bytes.data() + t * mean_share, kp + ((base + t) * kvh + h) * k_row + d + 2, mean_share);
             }
-            for (int64_t c = 0; c < d; ++c) grid[c] = half_at(grid_bytes.data() + 2 * c);
+            const float* t8 = fp8_table().v;  // e4m3 values times 2^-8
+            for (int64_t c = 0; c < d; ++c) grid[c] = t8[grid_bytes[c]] * 256.0f;
             for (int64_t j = 0; j < g; ++j) bias[j] = dot(qs.data() + j * d, grid.data(), d);
           }
           for (int64_t t = 0; t < bs; ++t) {

@@ -51,7 +51,7 @@ class KVFormat:
 
     @property
     def record_dtype(self) -> str:
-        """``"float32"`` (torch's spelling of the model's dtype) or ``"kv-int8"``, ``"kv-fp8c"``, ``"kv-int4c"``."""
+        """``"float32"`` (torch's spelling of the model's dtype) or ``"kv-int8"``, ``"kv-fp8m"``, ``"kv-int4c"``."""
         return str(self.compute_dtype).removeprefix("torch.") if self.v_codec is None else RECORD_DTYPES[self.name]
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int) -> int:
@@ -99,9 +99,9 @@ class KVFormat:
 
 _CODECS: dict[str, type[KVCodec]] = {"int8": Int8Codec, "fp8": Fp8Codec, "int4": GroupedCodec}
 #: A session record's dtype for each quantised ``kv_cache_dtype``. int4 is ``kv-int4c`` (keys per channel) and fp8
-#: ``kv-fp8c`` (keys less their block's mean per channel): the earlier rows of each, recorded as ``kv-int4`` and
-#: ``kv-fp8``, are foreign to them.
-RECORD_DTYPES: dict[str, str] = {"int8": "kv-int8", "fp8": "kv-fp8c", "int4": "kv-int4c"}
+#: ``kv-fp8m`` (keys less their block's e4m3 mean per channel): the earlier rows of each, recorded as ``kv-int4``,
+#: ``kv-fp8`` and ``kv-fp8c`` (a float16 mean), are foreign to them.
+RECORD_DTYPES: dict[str, str] = {"int8": "kv-int8", "fp8": "kv-fp8m", "int4": "kv-int4c"}
 
 
 def codec_for(kv_cache_dtype: str) -> KVCodec | None:

@@ -9,14 +9,14 @@ record as the same bytes. A row is ``[data | scale (| zero point)]``:
 dtype    data                                         scale bytes                     bytes (head_dim 64)
 =======  ===========================================  ==============================  =====================
 int8     ``round(x / s)`` in -127..127, one a byte     ``s = absmax / 127``, float16   66 (fp32: 256)
-fp8      ``x / s`` as ``float8_e4m3fn``               ``s = absmax / 448``, float16   V 66, K 74 (block 16)
+fp8      ``x / s`` as ``float8_e4m3fn``               ``s = absmax / 448``, float16   V 66, K 70 (block 16)
 int4     ``round((x - m) / s)`` in 0..15, two a byte  ``s = (max - m) / 15``, ``m``   V 40, K 48 (block 16)
 int2     ``round((x - m) / s)`` in 0..3, four a byte  ``s = (max - m) / 3``, ``m``    V 32, K 32 (demoted only)
 =======  ===========================================  ==============================  =====================
 
 The pool's int4 is KIVI's layout: values per token in groups of 32 channels (``GroupedCodec``, a grid per group),
 keys per channel within a block (``ChannelKeyCodec``, a grid per channel over the block's tokens, spread over its
-rows). The pool's fp8 keys are their block's mean per channel (float16, spread the same way) plus an fp8 row of
+rows). The pool's fp8 keys are their block's mean per channel (e4m3, spread the same way) plus an fp8 row of
 what is left (``Fp8KeyCodec``); its values are ``Fp8Codec`` rows. Demoted blocks (``confkv/kv/demoted.py``) use
 the int4 layout at int4 and at int2 (``bits=2``: four levels, KIVI's 2-bit layout, values in groups of 16); int2 is
 never the pool's own dtype.
@@ -290,7 +290,8 @@ class BlockKeyCodec:
         self.head_dim = head_dim
         self.block_size = block_size
         self._own = own_bytes
-        self._share = block_bytes // block_size
+        self._block_bytes = block_bytes
+        self._share = -(-block_bytes // block_size)  # a block's last rows carry zeros where bs does not divide
 
     def row_bytes(self, head_dim: int | None = None) -> int:
         return self._own + self._share
@@ -299,15 +300,25 @@ class BlockKeyCodec:
         """``[..., bs, 1, 1]``: which rows of blocks ``x`` ``[..., bs, kvh, D]`` are written."""
         return (torch.arange(self.block_size, device=x.device) < filled[..., None])[..., None, None]
 
+    def _spread_bytes(self, raw: torch.Tensor) -> torch.Tensor:
+        """Each block's bytes ``[..., kvh, block_bytes]`` -> spread over its rows ``[..., bs, kvh, share]``."""
+        pad = self.block_size * self._share - raw.shape[-1]
+        if pad:
+            raw = torch.cat([raw, raw.new_zeros(*raw.shape[:-1], pad)], dim=-1)
+        return raw.reshape(*raw.shape[:-1], self.block_size, self._share).transpose(-2, -3)
+
+    def _gather_bytes(self, rows: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``_spread_bytes`` on whole blocks' rows ``[..., bs, kvh, row]``."""
+        raw = rows[..., self._own :].transpose(-2, -3).contiguous()  # [..., kvh, bs, share]
+        return raw.reshape(*raw.shape[:-2], self.block_size * self._share)[..., : self._block_bytes]
+
     def _spread(self, per_block: torch.Tensor) -> torch.Tensor:
         """Float16 values ``[..., 1, kvh, n]`` of each block -> their bytes over its rows ``[..., bs, kvh, 2n/bs]``."""
-        raw = per_block.squeeze(-3).to(_SCALE).contiguous().view(torch.uint8)  # [..., kvh, 2n]
-        return raw.reshape(*raw.shape[:-1], self.block_size, self._share).transpose(-2, -3)
+        return self._spread_bytes(per_block.squeeze(-3).to(_SCALE).contiguous().view(torch.uint8))
 
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
         """The inverse of ``_spread`` on whole blocks' rows ``[..., bs, kvh, row]``: ``[..., 1, kvh, n]`` float32."""
-        raw = rows[..., self._own :].transpose(-2, -3).contiguous()  # [..., kvh, bs, share]
-        return raw.reshape(*raw.shape[:-2], self.block_size * self._share).view(_SCALE).float().unsqueeze(-3)
+        return self._gather_bytes(rows).view(_SCALE).float().unsqueeze(-3)
 
     def encode(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks of keys ``[..., block_size, kv_heads, head_dim]`` -> rows ``[..., block_size, kv_heads, row]``."""
@@ -379,47 +390,56 @@ class ChannelKeyCodec(BlockKeyCodec):
 
 
 class Fp8KeyCodec(BlockKeyCodec):
-    """The pool's fp8 keys: each block's keys less their mean per channel (float16, over the block's written rows),
-    the rest in e4m3 with a scale per token and KV head (``Fp8Codec``'s rows), the mean added back on reading.
+    """The pool's fp8 keys: each block's keys less their mean per channel (over the block's written rows, itself
+    stored in e4m3), the rest in e4m3 with a scale per token and KV head (``Fp8Codec``'s rows), the mean added back
+    on reading.
 
     e4m3's 3 mantissa bits cost keys a relative error of up to 2^-4 in every element, and the channels RoPE leaves
     large (its slow pairs) carry most of ``q . k``: plain fp8 keys cost +1.12% perplexity on smollm2's 3,000-token
-    texts. Those channels hold nearly the same value across a block's tokens, so the residual is small and so is its
-    rounding; the mean itself is float16 (SageAttention, 2024, smooths K by one mean over the whole context, which
-    softmax does not see; a mean per block keeps a block self-contained and follows RoPE's slow drift): keys less
-    their block mean cost +0.12% (``benchmarks/fp8_ablation.py --suite standard``, docs/kv-dtypes.md). A key row is
-    ``[D e4m3 codes | float16 scale | 2D/bs bytes of the block's means]``: 74 bytes at head_dim 64 and block 16.
+    texts. Those channels hold nearly the same value across a block's tokens, so what is left after the mean is
+    small, and so is its rounding (SageAttention, 2024, smooths K by one mean over the whole context, which softmax
+    does not see; a mean per block keeps a block self-contained and follows RoPE's slow drift). The residual is
+    taken against the mean as stored, so the mean's own rounding lands in the residual, where e4m3 keeps it to 2^-4
+    of its small size: an e4m3 mean (one byte a channel) costs what a float16 one does, within the draws of the
+    rounding (docs/kv-dtypes.md), for half its bytes. A key row is ``[D e4m3 codes | float16 scale | ceil(D/bs)
+    bytes of the block's means]``: 70 bytes at head_dim 64 and block 16.
     """
 
     def __init__(self, head_dim: int, block_size: int) -> None:
-        if (2 * head_dim) % block_size:
-            raise ValueError(f"fp8 keys: 2 x head_dim ({head_dim}) must be a multiple of the block size {block_size}")
-        super().__init__(head_dim, block_size, head_dim + Fp8Codec.extra_bytes, 2 * head_dim)
+        super().__init__(head_dim, block_size, head_dim + Fp8Codec.extra_bytes, head_dim)
         self.name = "fp8"
         self.bits = 8
         self._rows = Fp8Codec()
 
     def _mean(self, x: torch.Tensor, filled: torch.Tensor | None) -> torch.Tensor:
-        """Each block's mean key per channel ``[..., 1, kvh, D]`` over its written rows, rounded to float16."""
+        """Each block's mean key per channel ``[..., 1, kvh, D]`` over its written rows, as e4m3 bytes."""
         xf = x.float()
         if filled is None:
-            return xf.mean(-3, keepdim=True).to(_SCALE).float()
-        count = filled.clamp_min(1).to(xf.dtype)[..., None, None, None]
-        return (xf * self._real(x, filled)).sum(-3, keepdim=True).div_(count).to(_SCALE).float()
+            mean = xf.mean(-3, keepdim=True)
+        else:
+            count = filled.clamp_min(1).to(xf.dtype)[..., None, None, None]
+            mean = (xf * self._real(x, filled)).sum(-3, keepdim=True).div_(count)
+        return mean.clamp_(-Fp8Codec._MAX, Fp8Codec._MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+    @staticmethod
+    def _from_e4m3(codes: torch.Tensor) -> torch.Tensor:
+        return e4m3_as_half(codes).float().mul_(256.0)
 
     def encode(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
-        mean = self._mean(x, filled)
-        return torch.cat([self._rows.encode(x.float() - mean), self._spread(mean)], dim=-1)
+        codes = self._mean(x, filled)
+        residual = x.float() - self._from_e4m3(codes)
+        return torch.cat([self._rows.encode(residual), self._spread_bytes(codes.squeeze(-3))], dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._rows.decode(rows[..., : self._own], torch.float32).add_(self._gather(rows)).to(dtype)
+        means = self.block_means(rows).unsqueeze(-3)
+        return self._rows.decode(rows[..., : self._own], torch.float32).add_(means).to(dtype)
 
     def block_means(self, rows: torch.Tensor) -> torch.Tensor:
         """Whole blocks' rows ``[..., bs, kvh, row]`` -> each block's mean key ``[..., kvh, D]`` (float32), what a
         reader that folds the mean into its scores (``q . mean`` once per block) needs."""
-        return self._gather(rows).squeeze(-3)
+        return self._from_e4m3(self._gather_bytes(rows))
 
     def max_error(self, x: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
-        """The fp8 rows' bound on the residual (the float16 mean is exact as stored), plus float32 rounding."""
-        residual = x.float() - self._mean(x, filled)
+        """The fp8 rows' bound on the residual against the stored mean (exact as stored), plus float32 rounding."""
+        residual = x.float() - self._from_e4m3(self._mean(x, filled))
         return self._rows.max_error(residual) + x.float().abs() * 2**-22
