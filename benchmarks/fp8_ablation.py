@@ -22,6 +22,10 @@ pool, a prompt's first chunk also attends to rounded keys, so the costs here are
   block of block-coded keys. The offset is kept in float16 and added back, so only the residual's rounding reaches
   ``q . k`` (SageAttention's smoothing of K, 2024, subtracts one mean over all keys, which softmax does not see;
   here one per block, so a block stays self-contained).
+* ``fp8_kmean_gG``: the engine's keys (the block's mean in e4m3) with the mean taken over each run of G rows of a
+  block instead of all 16 (4 more bytes a key row for every halving); values fp8.
+
+``--jitter N`` adds N draws of each mode with the store's inputs perturbed (``kv_dtypes.py --jitter``).
 
 ``--suite standard`` scores the standard suite's 3,000-token held-out texts instead of the quick suite's (give it
 ``--kv-cache-memory 1GiB``).
@@ -31,11 +35,13 @@ A measurement aid, not the engine's path: ``benchmarks/kv_dtypes.py`` measures `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from common import parser
 from int4_ablation import block_round, reencoding_store, run_ablation
+from kv_dtypes import jitter_args
 
 from confkv.kv.pool import BlockPool
 from confkv.kv.quant import Fp8Codec, Fp8KeyCodec, Int4Codec, Int8Codec, KVCodec
@@ -105,9 +111,26 @@ def offset_store(how: str):
     return reencoding_store(block_round(Fp8KeyCodec) if how == "mean" else mid, partial(_codec_round, values))
 
 
+def group_mean_keys(group: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``round_keys`` for ``reencoding_store``: each run of ``group`` rows of a block (``group`` divides the block)
+    through the engine's ``Fp8KeyCodec`` as if it were a block of its own, so the mean is taken over fewer tokens."""
+    whole = block_round(Fp8KeyCodec)
+
+    def round_keys(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        nb, bs = x.shape[:2]
+        starts = torch.arange(0, bs, group)
+        part = (filled[:, None] - starts[None, :]).clamp(0, group).reshape(-1)
+        return whole(x.reshape(nb * (bs // group), group, *x.shape[2:]), part).view_as(x)
+
+    return round_keys
+
+
 def fake_store(mode: str):
     if mode in ("fp8_kmid", "fp8_kmean"):
         return offset_store(mode.removeprefix("fp8_k"))
+    if mode.startswith("fp8_kmean_g"):
+        keys = group_mean_keys(int(mode.removeprefix("fp8_kmean_g")))
+        return reencoding_store(keys, partial(_codec_round, Fp8Codec()))
     round_k, round_v = rounder(mode)
 
     def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -121,6 +144,7 @@ def main() -> None:
     p.add_argument("--modes", default="fp8,fp8_k,fp8_v,m3,m4,m5,int8")
     p.add_argument("--suite", choices=("quick", "standard"), default="quick", help="whose held-out prose")
     p.add_argument("--kv-cache-memory", default="64MiB", help="each scoring engine's pool (standard suite: 1GiB)")
+    jitter_args(p)
     args = p.parse_args()
     run_ablation(args, [(mode, partial(fake_store, mode), False) for mode in filter(None, args.modes.split(","))])
 

@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 from common import load, parser, report, setup
-from kv_dtypes import perplexity
+from kv_dtypes import jitter_args, jittered, perplexity
 
 from confkv.bench.evaluator import build_workloads
 from confkv.bench.specs import suite_spec
@@ -156,8 +156,9 @@ def pooled(args, loaded, items) -> float:
 def run_ablation(args, entries: list[tuple[str, Callable[[], Callable], bool]]) -> None:
     """Perplexity of ``full`` on the quick suite's held-out prose at ``auto``, then once per entry ``(name, make a
     store, pooled)`` with ``BlockPool.store`` replaced by that store (``pooled``: each item by its own engine, for
-    stores that follow one sequence); reports ``NAME_ppl`` and ``NAME_ppl_delta_pct``. Shared by the fake
-    quantisation scripts (``fp8_ablation.py`` too)."""
+    stores that follow one sequence); reports ``NAME_ppl`` and ``NAME_ppl_delta_pct``; with ``args.jitter`` N, N
+    more draws with the store's inputs perturbed as ``kv_dtypes.py --jitter`` perturbs the pool's
+    (``NAME_jitter_ppl_delta_pct`` and its mean). Shared by the fake quantisation scripts (``fp8_ablation.py`` too)."""
     device, env = setup(args)
     loaded = load(args, device)
     suite = getattr(args, "suite", "quick")
@@ -167,10 +168,17 @@ def run_ablation(args, entries: list[tuple[str, Callable[[], Callable], bool]]) 
     result: dict = {**env, "suite": suite, "ppl_tokens": n, "auto_ppl": base}
     try:
         for name, make_store, alone in entries:
-            BlockPool.store = make_store()
-            ppl = pooled(args, loaded, items) if alone else perplexity(args, loaded, "auto", items)[0]
-            result[f"{name}_ppl"] = ppl
-            result[f"{name}_ppl_delta_pct"] = 100 * (ppl / base - 1)
+            draws = []
+            for seed in range(getattr(args, "jitter", 0) + 1):
+                store = make_store()
+                BlockPool.store = jittered(store, seed, args.jitter_scale) if seed else store
+                draws.append(pooled(args, loaded, items) if alone else perplexity(args, loaded, "auto", items)[0])
+            result[f"{name}_ppl"] = draws[0]
+            result[f"{name}_ppl_delta_pct"] = 100 * (draws[0] / base - 1)
+            if len(draws) > 1:
+                deltas = [100 * (ppl / base - 1) for ppl in draws[1:]]
+                result[f"{name}_jitter_ppl_delta_pct"] = deltas
+                result[f"{name}_jitter_ppl_delta_pct_mean"] = sum(deltas) / len(deltas)
     finally:
         BlockPool.store = _STORE
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -183,6 +191,7 @@ def main() -> None:
     p.add_argument("--windows", default="", help="float windows R (tokens, multiples of the block) to measure")
     p.add_argument("--suite", choices=("quick", "standard"), default="quick", help="whose held-out prose")
     p.add_argument("--kv-cache-memory", default="64MiB", help="each scoring engine's pool (standard suite: 1GiB)")
+    jitter_args(p)
     args = p.parse_args()
     modes = [(mode, partial(fake_store, mode), False) for mode in filter(None, args.modes.split(","))]
     windows = [(f"window{w}", partial(window_store, int(w)), True) for w in filter(None, args.windows.split(","))]

@@ -56,8 +56,9 @@ def split_entry(entry: str) -> tuple[str, int]:
 
 
 def jittered(store: Callable, seed: int, scale: float) -> Callable:
-    """``store`` (a pool's, bound) given K and V each multiplied by ``1 + e``, ``e ~ N(0, scale)`` per element
-    from a generator seeded ``seed``: one more draw of what the pool's rounding does with nearly the same input."""
+    """``store`` (a pool's, bound or not: its last two arguments K and V) given K and V each multiplied by ``1 + e``,
+    ``e ~ N(0, scale)`` per element from a generator seeded ``seed``: one more draw of what the pool's rounding
+    does with nearly the same input."""
     gens: dict[torch.device, torch.Generator] = {}
 
     def noisy(x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +66,9 @@ def jittered(store: Callable, seed: int, scale: float) -> Callable:
         e = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32)
         return (x.float() * e.mul_(scale).add_(1.0)).to(x.dtype)
 
-    def store_(layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        store(layer, slots, noisy(k), noisy(v))
+    def store_(*args) -> None:
+        *head, k, v = args
+        store(*head, noisy(k), noisy(v))
 
     return store_
 
@@ -136,6 +138,12 @@ def step_ms(args, loaded, entry: str, prompts: list[list[int]]) -> tuple[float, 
     return elapsed / args.steps * 1000, spent[0] / args.steps * 1000
 
 
+def jitter_args(p) -> None:
+    """``--jitter`` and ``--jitter-scale`` (this script's, and the fake quantisation scripts' ``run_ablation``)."""
+    p.add_argument("--jitter", type=int, default=0, help="N more draws of each entry, the pool's writes perturbed")
+    p.add_argument("--jitter-scale", type=float, default=1e-6, help="relative size of the perturbation")
+
+
 def jitter_draws(args, loaded, dtypes: list[str], items: list, result: dict, p) -> None:
     """``--jitter`` draws of every entry's perplexity delta against unperturbed ``auto`` (``result["auto_ppl"]``),
     with their mean, its 95% t-interval, min and max."""
@@ -168,8 +176,7 @@ def main() -> None:
         "--kv-cache-memory", default="64MiB", help="each scoring engine's pool (the standard suite's texts: 1GiB)"
     )
     p.add_argument("--demote", default="", help="also dynamic at these demote_dtypes (int4,int2) and none")
-    p.add_argument("--jitter", type=int, default=0, help="N more draws of each entry's perplexity, writes perturbed")
-    p.add_argument("--jitter-scale", type=float, default=1e-6, help="relative size of the perturbation")
+    jitter_args(p)
     args = p.parse_args()
     device, env = setup(args)
     loaded = load(args, device)
