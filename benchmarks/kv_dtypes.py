@@ -144,11 +144,9 @@ def jitter_args(p) -> None:
     p.add_argument("--jitter-scale", type=float, default=1e-6, help="relative size of the perturbation")
 
 
-def jitter_draws(args, loaded, dtypes: list[str], items: list, result: dict, p) -> None:
+def jitter_draws(args, loaded, dtypes: list[str], items: list, result: dict) -> None:
     """``--jitter`` draws of every entry's perplexity delta against unperturbed ``auto`` (``result["auto_ppl"]``),
     with their mean, its 95% t-interval, min and max."""
-    if "auto_ppl" not in result:
-        p.error("--jitter measures deltas against auto: list auto in --dtypes")
     for entry in dtypes:
         kv_dtype, window = split_entry(entry)
         deltas = []
@@ -178,9 +176,11 @@ def main() -> None:
     p.add_argument("--demote", default="", help="also dynamic at these demote_dtypes (int4,int2) and none")
     jitter_args(p)
     args = p.parse_args()
+    dtypes = args.dtypes.split(",")
+    if args.jitter and not args.no_ppl and "auto" not in dtypes:
+        p.error("--jitter measures deltas against auto: list auto in --dtypes")
     device, env = setup(args)
     loaded = load(args, device)
-    dtypes = args.dtypes.split(",")
     result: dict = {**env, "suite": args.suite, "context": args.context, "batch": args.batch, "steps": args.steps}
     t_start = time.perf_counter()
     for entry in dtypes:
@@ -207,7 +207,7 @@ def main() -> None:
             if base_resident:
                 result[f"{dtype}_mean_kv_bytes_vs_full_auto"] = resident / base_resident
         if args.jitter:
-            jitter_draws(args, loaded, dtypes, items, result, p)
+            jitter_draws(args, loaded, dtypes, items, result)
         dynamic = scaled_dynamic(suite_spec(args.model, args.suite).scale)
         for demote in ["none", *filter(None, args.demote.split(","))]:
             ppl, _, resident, demoted = perplexity(args, loaded, "auto", items, dynamic.replace(demote_dtype=demote))

@@ -7,7 +7,7 @@ sum_t (p_t s_t) c_t``). What is left per element is the conversion of the codes 
 straight into the layout the matrix products read: scores ``(q @ C^T) * s``, output ``(p * s) @ C``.
 
 fp8 keys are their block's mean plus a scaled code (``Fp8KeyCodec``): ``q . (mean + s * c) = q . mean + s * (q . c)``,
-so each block adds one term per query to its scores, computed once from the block's float16 means.
+so each block adds one term per query to its scores, computed once from the block's (e4m3) means.
 
 This computes the same attention as dequantise-then-SDPA in a different order of float32 operations: within float32
 rounding of it, not bit for bit. Only int8 and fp8 pools on the CPU without a float window take it. Measured on

@@ -278,8 +278,9 @@ class GroupedCodec(KVCodec):
 
 class BlockKeyCodec:
     """Keys encoded a whole block at a time: besides each row's own bytes, ``block_bytes`` per block and KV head (a
-    grid or an offset per channel, float16) spread over the block's ``block_size`` rows in order, so that a block is
-    still its rows and moves between tiers as the same bytes. ``filled`` (the rows written so far) keeps a partly
+    float16 grid per channel, or an e4m3 mean per channel) spread over the block's ``block_size`` rows in order
+    (zeros fill the last rows' share where the block does not divide them), so that a block is still its rows and
+    moves between tiers as the same bytes. ``filled`` (the rows written so far) keeps a partly
     written block's empty rows out of the block's statistics: the pool re-encodes an open block from its float copy
     as it fills (``confkv/kv/pool.py``)."""
 
