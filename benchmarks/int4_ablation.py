@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 from common import load, parser, report, setup
-from kv_dtypes import jitter_args, jittered, perplexity
+from kv_dtypes import draw_summary, jitter_args, jittered, perplexity
 
 from confkv.bench.evaluator import build_workloads
 from confkv.bench.specs import suite_spec
@@ -158,7 +158,7 @@ def run_ablation(args, entries: list[tuple[str, Callable[[], Callable], bool]]) 
     store, pooled)`` with ``BlockPool.store`` replaced by that store (``pooled``: each item by its own engine, for
     stores that follow one sequence); reports ``NAME_ppl`` and ``NAME_ppl_delta_pct``; with ``args.jitter`` N, N
     more draws with the store's inputs perturbed as ``kv_dtypes.py --jitter`` perturbs the pool's
-    (``NAME_jitter_ppl_delta_pct`` and its mean). Shared by the fake quantisation scripts (``fp8_ablation.py`` too)."""
+    (``kv_dtypes.draw_summary``). Shared by the fake quantisation scripts (``fp8_ablation.py`` too)."""
     device, env = setup(args)
     loaded = load(args, device)
     suite = getattr(args, "suite", "quick")
@@ -176,9 +176,7 @@ def run_ablation(args, entries: list[tuple[str, Callable[[], Callable], bool]]) 
             result[f"{name}_ppl"] = draws[0]
             result[f"{name}_ppl_delta_pct"] = 100 * (draws[0] / base - 1)
             if len(draws) > 1:
-                deltas = [100 * (ppl / base - 1) for ppl in draws[1:]]
-                result[f"{name}_jitter_ppl_delta_pct"] = deltas
-                result[f"{name}_jitter_ppl_delta_pct_mean"] = sum(deltas) / len(deltas)
+                result.update(draw_summary(name, [100 * (ppl / base - 1) for ppl in draws[1:]]))
     finally:
         BlockPool.store = _STORE
     result["seconds"] = round(time.perf_counter() - t0, 1)

@@ -153,11 +153,15 @@ def jitter_draws(args, loaded, dtypes: list[str], items: list, result: dict) -> 
         for seed in range(1, args.jitter + 1):
             runs = scored(args, loaded, kv_dtype, items, window=window, jitter_seed=seed)
             deltas.append(100 * (perplexity(args, loaded, kv_dtype, items, results=runs)[0] / result["auto_ppl"] - 1))
-        result[f"{entry}_jitter_ppl_delta_pct"] = deltas
-        result[f"{entry}_jitter_ppl_delta_pct_mean"] = statistics.fmean(deltas)
-        result[f"{entry}_jitter_ppl_delta_pct_ci95"] = t_interval(deltas)
-        result[f"{entry}_jitter_ppl_delta_pct_min"] = min(deltas)
-        result[f"{entry}_jitter_ppl_delta_pct_max"] = max(deltas)
+        result.update(draw_summary(entry, deltas))
+
+
+def draw_summary(name: str, deltas: list[float]) -> dict:
+    """``NAME_jitter_ppl_delta_pct`` (the draws) with their mean, its 95% t-interval, min and max: what every
+    script with ``--jitter`` reports."""
+    key = f"{name}_jitter_ppl_delta_pct"
+    return {key: deltas, f"{key}_mean": statistics.fmean(deltas), f"{key}_ci95": t_interval(deltas),
+            f"{key}_min": min(deltas), f"{key}_max": max(deltas)}  # fmt: skip
 
 
 def main() -> None:
