@@ -22,6 +22,9 @@ pool, a prompt's first chunk also attends to rounded keys, so the costs here are
   block of block-coded keys. The offset is kept in float16 and added back, so only the residual's rounding reaches
   ``q . k`` (SageAttention's smoothing of K, 2024, subtracts one mean over all keys, which softmax does not see;
   here one per block, so a block stays self-contained).
+* ``fp8_kmean_sN``: the engine's keys with N scales tried per row of a full block (``Fp8KeyCodec(search=N)``;
+  ``fp8_kmean`` is the engine's own, ``Fp8KeyCodec.SEARCH``; ``fp8_kmean_s1``, the plain scale, is the engine's
+  keys before the search).
 * ``fp8_kmean_gG``: the engine's keys (the block's mean in e4m3) with the mean taken over each run of G rows of a
   block instead of all 16 (4 more bytes a key row for every halving); values fp8.
 
@@ -126,6 +129,10 @@ def group_mean_keys(group: int) -> Callable[[torch.Tensor, torch.Tensor], torch.
 
 
 def fake_store(mode: str):
+    if mode.startswith(("fp8_kmean_s", "fp8_kmean_w")):
+        n = int(mode.removeprefix("fp8_kmean_")[1:])
+        codec = partial(Fp8KeyCodec, search=n, weighted=mode.startswith("fp8_kmean_w"))
+        return reencoding_store(block_round(codec), partial(_codec_round, Fp8Codec()))
     if mode in ("fp8_kmid", "fp8_kmean"):
         return offset_store(mode.removeprefix("fp8_k"))
     if mode.startswith("fp8_kmean_g"):

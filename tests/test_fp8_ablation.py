@@ -29,13 +29,16 @@ def test_rotation_is_orthonormal_and_undone() -> None:
 
 
 def test_runs_on_tiny_random() -> None:
+    modes = "fp8,m23,fp8_k_rot,fp8_kmean,fp8_kmid,fp8_kmean_s1,fp8_kmean_w4"
     run = [sys.executable, str(ROOT / "benchmarks/fp8_ablation.py"), "--model", "tiny-random",
-           "--modes", "fp8,m23,fp8_k_rot,fp8_kmean,fp8_kmid", "--json", "--threads", "1"]  # fmt: skip
+           "--modes", modes, "--json", "--threads", "1"]  # fmt: skip
     out = json.loads(subprocess.run(run, check=True, capture_output=True, text=True, cwd=ROOT).stdout)
     assert abs(out["m23_ppl"] - out["auto_ppl"]) < 1e-6 * out["auto_ppl"]  # no rounding, the same perplexity
     assert out["fp8_ppl"] != out["auto_ppl"]
     assert set(out) >= {"fp8_ppl_delta_pct", "fp8_k_rot_ppl_delta_pct", "fp8_kmean_ppl", "fp8_kmid_ppl"}
     assert out["fp8_kmean_ppl"] != out["auto_ppl"] and out["suite"] == "quick"
+    assert out["fp8_kmean_w4_ppl"] == out["fp8_kmean_ppl"], "the engine's keys search 4 scales, weighted"
+    assert "fp8_kmean_s1_ppl" in out  # the plain scale: the engine's keys before the search
 
 
 def test_means_over_groups_of_rows_are_the_engines_codec_on_smaller_blocks() -> None:

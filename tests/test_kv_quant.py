@@ -273,6 +273,43 @@ def test_fp8_keys_less_their_block_mean_round_trip_closer_than_plain_fp8() -> No
     assert not bool(codec.decode(codec.encode(nan), torch.float32)[0, :, 1, 5].isfinite().all())
 
 
+def test_fp8_searched_scales_round_rows_no_worse_and_only_full_blocks_pay_for_them() -> None:
+    """``Fp8Codec(search=n)`` tries n scales over one octave, the plain one among them, and keeps the one that
+    rounds the row best (its squared error, each channel weighted when weights are given): no row is worse than under
+    the plain scale, and the rows decode as any fp8 row does. The pool's fp8 keys search only when their block is
+    full, weighing each channel by its mean square over the block; an open block, re-encoded at every write, keeps
+    the plain scale."""
+    x = torch.randn(64, 4, 64, generator=torch.Generator().manual_seed(3))  # like a residual: no outlier channel
+    x[10] = 0.0
+    plain, searched = Fp8Codec(), Fp8Codec(search=4)
+    err_plain = (plain.decode(plain.encode(x), torch.float32) - x).square().sum(-1)
+    err = (plain.decode(searched.encode(x), torch.float32) - x).square().sum(-1)
+    assert bool((err <= err_plain).all())
+    assert float(err.sum()) < 0.9 * float(err_plain.sum()), (float(err.sum()), float(err_plain.sum()))  # 0.85
+    w = torch.rand(1, 4, 64, generator=torch.Generator().manual_seed(4)).square() * 10  # per channel, as a block's
+    weighed = {n: ((plain.decode(c.encode(x, w), torch.float32) - x).square() * w).sum(-1)
+               for n, c in (("plain", plain), ("searched", searched))}  # fmt: skip
+    assert bool((weighed["searched"] <= weighed["plain"]).all())
+    assert bool(
+        (weighed["searched"] <= ((plain.decode(searched.encode(x), torch.float32) - x).square() * w).sum(-1)).all()
+    )
+    scale = searched.encode(x)[..., 64:].contiguous().view(torch.float16).float()
+    base = (x.abs().amax(-1, keepdim=True) / 448).half().float()
+    assert bool(((scale >= base) & (scale < 2 * base) | (base == 0)).all()), "within one octave above the plain"
+    codec = Fp8KeyCodec(64, 16)
+    blocks = offset_key_blocks()[:2]
+    mixed = codec.encode(blocks, torch.tensor([16, 5]))
+    assert torch.equal(mixed[:1], codec.encode(blocks[:1])), "a full block: the searched rows"
+    assert torch.equal(mixed[1:], codec.encode(blocks[1:], torch.tensor([5])))
+    residual = blocks[:1] - codec.block_means(mixed[:1]).unsqueeze(1)
+    weight = blocks[:1].square().mean(1, keepdim=True)
+    expected = Fp8Codec(search=Fp8KeyCodec.SEARCH).encode(residual, weight)
+    assert torch.equal(mixed[:1, ..., :66], expected), "searched against the block's mean square per channel"
+    open_scales = mixed[1, :5, :, 64:66].contiguous().view(torch.float16).float()
+    residual = blocks[1, :5] - codec.block_means(mixed[1:])[0]
+    assert torch.equal(open_scales, (residual.abs().amax(-1, keepdim=True) / 448).half().float()), "open: plain"
+
+
 def test_fp8_keys_of_a_partly_written_block_take_the_mean_of_its_written_rows() -> None:
     """What the unwritten rows of an open block hold does not move its written rows' codes, and the pool's fp8 block
     written token by token ends as the bytes of the same block written whole."""
