@@ -431,7 +431,8 @@ class Fp8KeyCodec(BlockKeyCodec):
 
     Once a block is full, each residual row's scale is the one of ``SEARCH`` over an octave that rounds the row
     best, each channel's error weighed by the channel's mean square over the block (``weighted``): what matters is
-    the error in ``q . k``, and the queries' large channels are mostly the keys' large channels. That took fp8 from
+    the error in ``q . k``, and the keys' energy per channel stands in for the queries' (no write sees a query,
+    and on smollm2 the two are correlated, not equal: docs/kv-dtypes.md). That took fp8 from
     +0.29% to +0.11% on 3,000-token texts, on average over draws of the rounding; the same search unweighted did
     nothing there (docs/kv-dtypes.md).
     """
@@ -479,7 +480,7 @@ class Fp8KeyCodec(BlockKeyCodec):
 
     def _weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """What a channel's rounding error weighs in the search: its mean square over the block's keys, standing in
-        for the queries' (none is seen at write time), whose large channels are the keys' large channels."""
+        for the queries' energy in that channel, which no write sees."""
         return x.float().square().mean(-3, keepdim=True) if self.weighted else None
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
