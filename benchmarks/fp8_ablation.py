@@ -22,9 +22,10 @@ pool, a prompt's first chunk also attends to rounded keys, so the costs here are
   block of block-coded keys. The offset is kept in float16 and added back, so only the residual's rounding reaches
   ``q . k`` (SageAttention's smoothing of K, 2024, subtracts one mean over all keys, which softmax does not see;
   here one per block, so a block stays self-contained).
-* ``fp8_kmean_sN``: the engine's keys with N scales tried per row of a full block (``Fp8KeyCodec(search=N)``;
-  ``fp8_kmean`` is the engine's own, ``Fp8KeyCodec.SEARCH``; ``fp8_kmean_s1``, the plain scale, is the engine's
-  keys before the search).
+* ``fp8_kmean_sN`` / ``fp8_kmean_wN``: the engine's keys with N scales tried per residual row of a full block
+  (``Fp8KeyCodec(search=N)``), the row's squared error plain (``s``) or each channel's weighed by its mean square
+  over the block (``w``); ``fp8_kmean_w4`` is the engine's own (``fp8_kmean``), ``fp8_kmean_s1`` its keys before
+  the search (the plain scale).
 * ``fp8_kmean_gG``: the engine's keys (the block's mean in e4m3) with the mean taken over each run of G rows of a
   block instead of all 16 (4 more bytes a key row for every halving); values fp8.
 

@@ -195,8 +195,9 @@ class Fp8Codec(KVCodec):
 
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
         # 3 mantissa bits: half a step is 2^-4 of the value; below e4m3's smallest normal (2^-6) the step is 2^-9
+        # times the scale, which a search (weighted or not) may take up to its largest candidate
         a = x.float().abs()
-        s = self._scale(x)
+        s = self._scale(x) if self.search == 1 else a.amax(-1, keepdim=True) / self._MAX * 2.0 * (1 + 2**-10)
         return a * 2**-4 + s * 2**-10 + a.amax(-1, keepdim=True) * 2**-10
 
 
@@ -431,10 +432,9 @@ class Fp8KeyCodec(BlockKeyCodec):
 
     Once a block is full, each residual row's scale is the one of ``SEARCH`` over an octave that rounds the row
     best, each channel's error weighed by the channel's mean square over the block (``weighted``): what matters is
-    the error in ``q . k``, and the keys' energy per channel stands in for the queries' (no write sees a query,
-    and on smollm2 the two are correlated, not equal: docs/kv-dtypes.md). That took fp8 from
-    +0.29% to +0.11% on 3,000-token texts, on average over draws of the rounding; the same search unweighted did
-    nothing there (docs/kv-dtypes.md).
+    the error in ``q . k``, and the keys' energy per channel stands in for the queries' (no write sees a query, and
+    on smollm2 the two are correlated, not equal). That took fp8 from +0.29% to +0.11% on 3,000-token texts, on
+    average over draws of the rounding; the same search unweighted did nothing there (docs/kv-dtypes.md).
     """
 
     #: Scales tried per row of a full block (``Fp8Codec(search=...)``).
