@@ -48,7 +48,7 @@ def main() -> None:
     names = args.policies.split(",")
     policies = dict(stream_policies(names, [], ThroughputSpec()))
     dtypes = args.kv_cache_dtypes.split(",")
-    rows = [(p, d, p if d == "auto" else f"{p}@{d}") for p in names for d in dtypes]  # auto keeps the plain name
+    rows = [(pol, dt, pol if dt == "auto" else f"{pol}@{dt}") for pol in names for dt in dtypes]  # auto: plain name
     for policy, dtype, row in rows:
         cache_policy = policies[policy]
         if cache_policy.controller != "full" and len(prompt) <= cache_policy.max_size:

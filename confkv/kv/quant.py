@@ -162,28 +162,29 @@ class Fp8Codec(KVCodec):
     def __init__(self, search: int = 1) -> None:
         self.search = search
 
-    def _scale(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        base = x.float().abs().amax(-1, keepdim=True) / self._MAX
-        if self.search == 1:
-            return base.to(_SCALE).float()
-        steps = 2.0 ** (torch.arange(self.search, dtype=torch.float32, device=x.device) / self.search)
-        s = (base.unsqueeze(0) * steps.view(-1, *[1] * base.dim())).to(_SCALE).float()  # [n, ..., 1]
-        xf = x.float().unsqueeze(0)
-        err = (self._round(xf, s).mul_(s) - xf).square_()
-        if weight is not None:
-            err.mul_(weight)
-        return s.gather(0, err.sum(-1, keepdim=True).argmin(0, keepdim=True)).squeeze(0)
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float().abs().amax(-1, keepdim=True) / self._MAX).to(_SCALE).float()
 
     def _codes(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return (x.float() / s.clamp_min(_TINY)).clamp_(-self._MAX, self._MAX).to(torch.float8_e4m3fn)
+        return (x.float() / s.clamp_min(_TINY)).clamp_(-self._MAX, self._MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
-    def _round(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """``x / s`` through e4m3 and back (float32), as ``decode`` reads it before the scale."""
-        return e4m3_as_half(self._codes(x, s).view(torch.uint8)).float().mul_(256.0)
+    def _searched(self, x: torch.Tensor, weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scale of each row under the best of ``search`` scales: every candidate's codes are made once,
+        and the chosen one's kept."""
+        xf = x.float()
+        base = xf.abs().amax(-1, keepdim=True) / self._MAX
+        steps = 2.0 ** (torch.arange(self.search, dtype=torch.float32, device=x.device) / self.search)
+        s = (base.unsqueeze(0) * steps.view(-1, *[1] * base.dim())).to(_SCALE).float()  # [n, ..., 1]
+        codes = self._codes(xf.unsqueeze(0), s)  # [n, ..., D]
+        err = (e4m3_as_half(codes).float().mul_(s * 256.0) - xf).square_()
+        if weight is not None:
+            err.mul_(weight)
+        best = err.sum(-1, keepdim=True).argmin(0, keepdim=True)  # [1, ..., 1]
+        return codes.gather(0, best.expand_as(codes[:1])).squeeze(0), s.gather(0, best).squeeze(0)
 
     def encode(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        s = self._scale(x, weight)
-        return torch.cat([self._codes(x, s).view(torch.uint8), _f16(s)], dim=-1)
+        codes, s = self._searched(x, weight) if self.search > 1 else (self._codes(x, s := self._scale(x)), s)
+        return torch.cat([codes, _f16(s)], dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         d = rows.shape[-1] - 2
@@ -430,11 +431,9 @@ class Fp8KeyCodec(BlockKeyCodec):
     rounding (docs/kv-dtypes.md), for half its bytes. A key row is ``[D e4m3 codes | float16 scale | ceil(D/bs)
     bytes of the block's means]``: 70 bytes at head_dim 64 and block 16.
 
-    Once a block is full, each residual row's scale is the one of ``SEARCH`` over an octave that rounds the row
-    best, each channel's error weighed by the channel's mean square over the block (``weighted``): what matters is
-    the error in ``q . k``, and the keys' energy per channel stands in for the queries' (no write sees a query, and
-    on smollm2 the two are correlated, not equal). That took fp8 from +0.29% to +0.11% on 3,000-token texts, on
-    average over draws of the rounding; the same search unweighted did nothing there (docs/kv-dtypes.md).
+    Once a block is full, each residual row's scale is the best of ``SEARCH`` over an octave, each channel's error
+    weighed by its mean square over the block (``weighted``), a stand-in for the queries' energy, which no write
+    sees: fp8 went from +0.29% to +0.11% on 3,000-token texts (unweighted: no change; docs/kv-dtypes.md).
     """
 
     #: Scales tried per row of a full block (``Fp8Codec(search=...)``).
