@@ -47,8 +47,9 @@ from common import parser
 from int4_ablation import block_round, reencoding_store, run_ablation
 from kv_dtypes import jitter_args
 
+from confkv.kv.block_keys import Fp8KeyCodec
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import Fp8Codec, Fp8KeyCodec, Int4Codec, Int8Codec, KVCodec
+from confkv.kv.quant import Fp8Codec, Int4Codec, Int8Codec, KVCodec
 
 _STORE = BlockPool.store
 

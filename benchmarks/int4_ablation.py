@@ -33,8 +33,9 @@ from kv_dtypes import draw_summary, jitter_args, jittered, perplexity
 
 from confkv.bench.evaluator import build_workloads
 from confkv.bench.specs import suite_spec
+from confkv.kv.block_keys import ChannelKeyCodec
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import ChannelKeyCodec, Int4Codec
+from confkv.kv.quant import Int4Codec
 
 _INT4 = Int4Codec()
 _STORE = BlockPool.store

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from confkv.kv.quant import Fp8KeyCodec
+from confkv.kv.block_keys import Fp8KeyCodec
 from tests.bench_scripts import ROOT, bench_script
 
 

@@ -22,11 +22,12 @@ from confkv.engine.runner import ModelRunner
 from confkv.errors import ConfkvError
 from confkv.kv import demoted as demoted_mod
 from confkv.kv.attention import PackedBatch, confkv_attention
+from confkv.kv.block_keys import ChannelKeyCodec
 from confkv.kv.block_table import ON_HOST
 from confkv.kv.demoted import DemotedTier
 from confkv.kv.host import HostTier
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import ChannelKeyCodec, GroupedCodec, Int2Codec, Int4Codec
+from confkv.kv.quant import GroupedCodec, Int2Codec, Int4Codec
 from confkv.scoring import ScoreItem, Scorer
 
 from .conftest import fresh_tiny

@@ -13,9 +13,10 @@ import torch
 from confkv import LLM
 from confkv.engine.params import SamplingParams
 from confkv.errors import ConfkvError
+from confkv.kv.block_keys import ChannelKeyCodec, Fp8KeyCodec
 from confkv.kv.kv_format import KVFormat, codec_for
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import KV_CACHE_DTYPES, ChannelKeyCodec, Fp8Codec, Fp8KeyCodec, Int4Codec
+from confkv.kv.quant import KV_CACHE_DTYPES, Fp8Codec, Int4Codec
 
 from .conftest import fresh_tiny
 
@@ -308,6 +309,31 @@ def test_fp8_searched_scales_round_rows_no_worse_and_only_full_blocks_pay_for_th
     open_scales = mixed[1, :5, :, 64:66].contiguous().view(torch.float16).float()
     residual = blocks[1, :5] - codec.block_means(mixed[1:])[0]
     assert torch.equal(open_scales, (residual.abs().amax(-1, keepdim=True) / 448).half().float()), "open: plain"
+
+
+def test_the_pool_tells_fp8_keys_which_blocks_are_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's write plan knows in Python which blocks a write fills, and passes their positions down, so the codec
+    does not look for them in every layer (``nonzero``, a host sync per layer on CUDA). Given or found, the bytes are
+    the same."""
+    codec = Fp8KeyCodec(64, 16)
+    blocks = offset_key_blocks()[:3]
+    filled = torch.tensor([16, 5, 16])
+    found = codec.encode(blocks, filled)
+    assert torch.equal(codec.encode(blocks, filled, torch.tensor([0, 2])), found)
+    geometry = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}
+    pool = BlockPool(**geometry, num_blocks=4, dtype=torch.float32, device="cpu", kv_cache_dtype="fp8")
+    seq = pool.allocate(2)
+    keys = blocks[:2].reshape(32, 4, 64)
+
+    def no_nonzero(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the write looked for full blocks itself")
+
+    monkeypatch.setattr(torch.Tensor, "nonzero", no_nonzero)
+    for layer in range(2):  # a write that fills the first block and leaves the second open at 5 rows
+        pool.store(layer, pool.slots_of(seq)[:21], keys[:21], keys[:21])
+    monkeypatch.undo()
+    by_block = pool.k[1, pool.slots_of(seq)].view(2, 16, 4, -1)
+    assert torch.equal(by_block[0], found[0]) and torch.equal(by_block[1, :5], found[1, :5])
 
 
 def test_fp8_keys_of_a_partly_written_block_take_the_mean_of_its_written_rows() -> None:

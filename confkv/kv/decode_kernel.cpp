@@ -9,7 +9,7 @@
 // per block (q*s and the q.lo term), as are fp8 keys' block means (the q.mean term), int4 values' zero points are
 // accumulated per group and added at the end.
 //
-// Row layouts (confkv/kv/quant.py):
+// Row layouts (confkv/kv/quant.py; keys coded a block at a time: confkv/kv/block_keys.py):
 //   int8 (keys and values), fp8 values: [D code bytes | float16 scale]; fp8 codes are e4m3fn.
 //   fp8 keys: [D e4m3fn code bytes | float16 scale | ceil(D/bs) bytes], the block's mean (e4m3fn[D], per KV head)
 //     spread over its bs rows in order (zeros after the D bytes).

@@ -7,7 +7,7 @@ confidence) thus decides which blocks keep the pool's precision, not which are a
 (the block is back at full precision); so does the end of the sequence. Copies are not dropped when the host tier
 drops the full-precision block: they are then all that is left.
 
-``int4`` copies are in the pool's own int4 layout (``confkv/kv/quant.py``, KIVI): keys per channel within the block
+``int4`` copies are in the pool's own int4 layout (``confkv/kv/block_keys.py``, KIVI): keys per channel within the block
 (``ChannelKeyCodec``; a demoted copy is a whole block, so its grid spans all its tokens) and values per token in
 groups of 32 channels (``GroupedCodec``). One int4 grid per row for keys and values alike, the layout used before
 (2026-12-07, eighth session), costs +16% perplexity on smollm2 with every token in it against +1.24% for this one
@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from confkv.kv.block_keys import ChannelKeyCodec
 from confkv.kv.kv_format import KVFormat
-from confkv.kv.quant import ChannelKeyCodec, GroupedCodec, KVCodec
+from confkv.kv.quant import GroupedCodec, KVCodec
 
 BlockKey = tuple[int, int]  # (sequence id, logical block index)
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from confkv.kv.block_keys import Fp8KeyCodec
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import Fp8Codec, Fp8KeyCodec, Int8Codec, e4m3_as_half, from_f16
+from confkv.kv.quant import Fp8Codec, Int8Codec, e4m3_as_half, from_f16
 
 
 def supported(pool: BlockPool) -> bool:

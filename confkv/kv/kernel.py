@@ -36,8 +36,9 @@ from types import ModuleType
 import torch
 
 from confkv.config import cache_root
+from confkv.kv.block_keys import ChannelKeyCodec, Fp8KeyCodec
 from confkv.kv.pool import BlockPool
-from confkv.kv.quant import ChannelKeyCodec, Fp8Codec, Fp8KeyCodec, GroupedCodec, Int8Codec
+from confkv.kv.quant import Fp8Codec, GroupedCodec, Int8Codec
 from confkv.progress import stage
 
 log = logging.getLogger(__name__)

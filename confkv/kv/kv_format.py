@@ -1,20 +1,13 @@
 """Which codecs a tier uses: ``KVFormat`` for one ``kv_cache_dtype`` (or ``host_kv_dtype``), what its session
-records are called, and converting blocks between formats. The codecs themselves are ``confkv/kv/quant.py``."""
+records are called, and converting blocks between formats. The codecs themselves are in
+``confkv/kv/quant.py`` (rows) and ``confkv/kv/block_keys.py`` (keys coded a block at a time)."""
 
 from __future__ import annotations
 
 import torch
 
-from confkv.kv.quant import (
-    KV_CACHE_DTYPES,
-    BlockKeyCodec,
-    ChannelKeyCodec,
-    Fp8Codec,
-    Fp8KeyCodec,
-    GroupedCodec,
-    Int8Codec,
-    KVCodec,
-)
+from confkv.kv.block_keys import BlockKeyCodec, ChannelKeyCodec, Fp8KeyCodec
+from confkv.kv.quant import KV_CACHE_DTYPES, Fp8Codec, GroupedCodec, Int8Codec, KVCodec
 
 
 class KVFormat:

@@ -8,11 +8,11 @@ Layout: per layer, keys and values live in ``[num_blocks * block_size, kv_heads,
 resident tokens with one index tensor. Keys are stored after RoPE.
 
 With a quantised ``kv_cache_dtype`` each ``[slot, kv_head]`` row holds the codec's bytes (data and the row's own
-scale, ``confkv/kv/quant.py``; int4 and fp8 keys: that and a share of the block's per-channel grid or mean) instead of
-``head_dim`` floats, so the same bytes buy more slots. ``store`` quantises as tokens are written; ``dequant_k``
-(whole blocks), ``keys_at`` and ``dequant`` (values) are what attention and the scorers read through. Blocks leave
-the pool (to the host tier, to a session record) as those bytes, so the lower tiers hold the compact form too (or,
-with ``host_kv_dtype``, a more compact one the cache manager converts to).
+scale, ``confkv/kv/quant.py``; int4 and fp8 keys: that and a share of the block's per-channel grid or mean,
+``confkv/kv/block_keys.py``) instead of ``head_dim`` floats, so the same bytes buy more slots. ``store`` quantises
+as tokens are written; ``dequant_k`` (whole blocks), ``keys_at`` and ``dequant`` (values) are what attention and the
+scorers read through. Blocks leave the pool (to the host tier, to a session record) as those bytes, so the lower
+tiers hold the compact form too (or, with ``host_kv_dtype``, a more compact one the cache manager converts to).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from confkv.errors import ConfkvError
+from confkv.kv.block_keys import BlockKeyCodec
 from confkv.kv.kv_format import KVFormat
-from confkv.kv.quant import BlockKeyCodec, KVCodec
+from confkv.kv.quant import KVCodec
 from confkv.kv.window import FloatWindow
 
 
@@ -37,6 +38,7 @@ class _KeyWrite:
     blocks: torch.Tensor  # [nb] the blocks touched
     rows: torch.Tensor  # [len(slots)] each slot's row in ``values`` viewed as [nb * bs, kvh, D]
     filled: torch.Tensor  # [nb] rows written in each block after the write
+    full_at: torch.Tensor  # positions among ``blocks`` of the blocks full after the write, on the pool's device
     values: torch.Tensor  # [layers, nb, bs, kvh, D] the blocks' exact keys
     full: list[int]  # blocks the write fills
     open: list[int]  # blocks still open after it
@@ -72,7 +74,8 @@ class BlockPool:
         self.compute_dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         try:
-            #: How K and V are stored (``confkv/kv/quant.py``); int4 and fp8 keys are coded a block at a time.
+            #: How K and V are stored (``confkv/kv/quant.py``); int4 and fp8 keys are coded a block at a time
+            #: (``confkv/kv/block_keys.py``).
             self.fmt = KVFormat(kv_cache_dtype, head_dim, block_size, dtype)
         except ValueError as err:
             raise ConfkvError(str(err)) from None
@@ -232,7 +235,7 @@ class BlockPool:
         values = plan.values[layer]  # [nb, bs, kvh, D]; the open blocks' copies are views of it
         values.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, plan.rows, k.float())
         by_block = self.k[layer].view(self.num_blocks, self.block_size, self.num_kv_heads, self.k_row)
-        by_block.index_copy_(0, plan.blocks, self.fmt.k_codec.encode(values, plan.filled))
+        by_block.index_copy_(0, plan.blocks, self.fmt.k_codec.encode(values, plan.filled, plan.full_at))
         if layer == self.num_layers - 1 and plan.full:  # every layer has written them: a full block's rows are final
             for b in plan.full:
                 self._open.pop(b, None)
@@ -265,7 +268,10 @@ class BlockPool:
                 self._open[b] = (values[:, j], n)
             (full if n == bs else still_open).append(b)
         rows = where * bs + slots % bs
-        return _KeyWrite(slots, blocks, rows, torch.tensor(filled, device=self.device), values, full, still_open)
+        full_at = torch.tensor([j for j, n in enumerate(filled) if n == bs], dtype=torch.long, device=self.device)
+        return _KeyWrite(
+            slots, blocks, rows, torch.tensor(filled, device=self.device), full_at, values, full, still_open
+        )
 
     def gather_blocks(self, which: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Whole blocks ``[len(blocks), block_size * kv_heads * row]`` of one layer's ``which`` (``k[layer]`` or
