@@ -11,7 +11,10 @@ block, an open block's keys left exact until it fills (KIVI's float tail); ``kon
 ``kivi_vg32``: ``kivi`` with values in groups of 32; ``engine_vgG``: the engine's int4 keys (per channel of a
 block, an open block re-encoded from its exact keys at every write, as the pool does) with values per token in
 groups of G channels (``engine_vg32`` is ``kv_cache_dtype: int4``; ``engine_vg0`` leaves the values exact;
-``--suite standard --kv-cache-memory 1GiB`` for the 3,000-token texts). This is a measurement aid, not the engine's
+``--suite standard --kv-cache-memory 1GiB`` for the 3,000-token texts); finer int4 keys than the engine's, values
+exact unless ``_vgV`` follows: ``engine_kgG`` keys per channel over each G tokens of a block instead of all 16,
+``engine_ktK`` the K channels of a block with the most energy at 8 bits (KVQuant's and MiKV's outlier channels kept
+finer). This is a measurement aid, not the engine's
 path: ``kv_cache_dtype: int4`` itself is measured by ``benchmarks/kv_dtypes.py``.
 
 ``--windows 0,16,32,64``: a float window of the last R tokens (HF ``QuantizedCache``'s and KIVI's residual length):
@@ -61,6 +64,8 @@ def _per_channel(x: torch.Tensor) -> torch.Tensor:
 def fake_store(mode: str):
     if mode.startswith("engine_vg"):
         return engine_store(int(mode.removeprefix("engine_vg")))
+    if mode.startswith(("engine_kg", "engine_kt")):
+        return finer_key_store(mode)
 
     def store(pool: BlockPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if mode in ("token", "kivi", "vonly"):
@@ -142,6 +147,52 @@ def engine_store(group: int):
     """The engine's int4 (keys per channel of a block, re-encoded as it fills) with values in groups of ``group``
     (0: values exact, the keys' share alone)."""
     return reencoding_store(block_round(ChannelKeyCodec), partial(_per_group, group=group) if group else (lambda v: v))
+
+
+def token_group_round(group: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``round_keys``: the engine's int4 keys per channel, but over each run of ``group`` tokens of a block instead
+    of its whole ``block_size`` (a grid per channel and group: ``4 * head_dim / group`` bytes a row)."""
+
+    def round_keys(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        nb, bs, kvh, d = x.shape
+        codec = ChannelKeyCodec(d, group)
+        starts = torch.arange(0, bs, group, device=x.device)
+        sub = (filled[:, None] - starts).clamp(0, group).reshape(-1)
+        groups = x.reshape(nb * bs // group, group, kvh, d)
+        return codec.decode(codec.encode(groups, sub), torch.float32).reshape(x.shape)
+
+    return round_keys
+
+
+def outlier_channel_round(top: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``round_keys``: keys per channel of a block, as the engine's int4, except that each block's ``top`` channels
+    (per KV head) of largest mean square over its written rows get a grid of 255 levels instead of 15 (8 bits:
+    ``top / 2`` more data bytes a row, plus the channels' indices per block)."""
+
+    def round_keys(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        real = (torch.arange(x.shape[1], device=x.device) < filled[:, None])[:, :, None, None]
+        energy = (xf.square() * real).sum(1, keepdim=True)
+        levels = torch.full_like(energy, 15.0).scatter_(-1, energy.topk(top, dim=-1).indices, 255.0)
+        lo = xf.masked_fill(~real, math.inf).amin(1, keepdim=True)
+        hi = xf.masked_fill(~real, -math.inf).amax(1, keepdim=True)
+        empty = ~torch.isfinite(lo)
+        lo, hi = lo.masked_fill(empty, 0.0).half().float(), hi.masked_fill(empty, 0.0)
+        s = ((hi - lo) / levels).half().float()
+        q = ((xf - lo) / s.clamp_min(torch.finfo(torch.float32).tiny)).round().clamp(min=0).minimum(levels)
+        return q * s + lo
+
+    return round_keys
+
+
+def finer_key_store(mode: str):
+    """``engine_kgG[_vgV]``: keys per channel over groups of G tokens (``token_group_round``); ``engine_ktK[_vgV]``:
+    the K most energetic channels of a block at 8 bits (``outlier_channel_round``); values exact, or per token in
+    groups of V channels."""
+    keys, _, values = mode.removeprefix("engine_").partition("_vg")
+    n = int(keys[2:])
+    round_keys = token_group_round(n) if keys.startswith("kg") else outlier_channel_round(n)
+    return reencoding_store(round_keys, partial(_per_group, group=int(values)) if values else (lambda v: v))
 
 
 def pooled(args, loaded, items) -> float:

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
-from tests.bench_scripts import ROOT
+import torch
+
+from confkv.kv.block_keys import ChannelKeyCodec
+from tests.bench_scripts import ROOT, bench_script
 
 
 def _run(script: str, *args: str) -> dict:
@@ -21,3 +24,24 @@ def test_engine_mode_is_the_engines_int4_and_values_exact_cost_less() -> None:
     assert fake["auto_ppl"] == engine["auto_ppl"]
     assert abs(fake["engine_vg32_ppl"] / engine["int4_ppl"] - 1) < 1e-6, (fake, engine["int4_ppl"])
     assert fake["engine_vg0_ppl"] != fake["engine_vg32_ppl"]
+
+
+def test_finer_key_modes_reduce_to_the_engines_keys_and_round_closer() -> None:
+    """Groups of a whole block and no channel at 8 bits are the engine's int4 keys, to the bit; a finer grid of
+    either kind rounds closer; and the modes run, values exact or grouped."""
+    mod = bench_script("int4_ablation")
+    x = torch.randn(3, 16, 2, 64, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 8, 64)
+    filled = torch.tensor([16, 5, 0])
+    engine = mod.block_round(ChannelKeyCodec)(x, filled)
+    assert torch.equal(mod.token_group_round(16)(x, filled), engine)
+    assert torch.equal(mod.outlier_channel_round(0)(x, filled), engine)
+    real = (torch.arange(16) < filled[:, None])[:, :, None, None]
+
+    def err(y: torch.Tensor) -> float:
+        return float(((y - x).square() * real).sum())
+
+    assert err(mod.token_group_round(8)(x, filled)) < err(engine)
+    assert err(mod.outlier_channel_round(8)(x, filled)) < err(engine)
+    out = _run("int4_ablation.py", "--modes", "engine_vg0,engine_kg16,engine_kt0,engine_kg8,engine_kt8_vg32")
+    assert out["engine_kg16_ppl"] == out["engine_vg0_ppl"] == out["engine_kt0_ppl"]
+    assert out["engine_kg8_ppl"] != out["engine_vg0_ppl"] and "engine_kt8_vg32_ppl" in out
