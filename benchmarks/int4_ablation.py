@@ -11,10 +11,11 @@ block, an open block's keys left exact until it fills (KIVI's float tail); ``kon
 ``kivi_vg32``: ``kivi`` with values in groups of 32; ``engine_vgG``: the engine's int4 keys (per channel of a
 block, an open block re-encoded from its exact keys at every write, as the pool does) with values per token in
 groups of G channels (``engine_vg32`` is ``kv_cache_dtype: int4``; ``engine_vg0`` leaves the values exact;
-``--suite standard --kv-cache-memory 1GiB`` for the 3,000-token texts); finer int4 keys than the engine's, values
-exact unless ``_vgV`` follows: ``engine_kgG`` keys per channel over each G tokens of a block instead of all 16,
-``engine_ktK`` the K channels of a block with the most energy at 8 bits (KVQuant's and MiKV's outlier channels kept
-finer). This is a measurement aid, not the engine's
+``--suite standard --kv-cache-memory 1GiB`` for the 3,000-token texts); other int4 keys than the engine's, values
+exact unless ``_vgV`` follows: ``engine_kgG`` keys per channel over each G tokens of a block instead of all 16 (no
+channel at 8 bits), ``engine_ktK`` the K channels of a block with the most energy at 8 bits (KVQuant's and MiKV's
+outlier channels kept finer; the engine keeps a quarter of them, 16 at head_dim 64; ``engine_kt0`` and
+``engine_kg16`` are its keys before, every channel at 4 bits). This is a measurement aid, not the engine's
 path: ``kv_cache_dtype: int4`` itself is measured by ``benchmarks/kv_dtypes.py``.
 
 ``--windows 0,16,32,64``: a float window of the last R tokens (HF ``QuantizedCache``'s and KIVI's residual length):
@@ -36,7 +37,8 @@ from kv_dtypes import draw_summary, jitter_args, jittered, perplexity
 
 from confkv.bench.evaluator import build_workloads
 from confkv.bench.specs import suite_spec
-from confkv.kv.block_keys import ChannelKeyCodec
+from confkv.kv.block_keys import BlockKeyCodec, ChannelKeyCodec
+from confkv.kv.kv_format import KVFormat
 from confkv.kv.pool import BlockPool
 from confkv.kv.quant import Int4Codec
 
@@ -132,7 +134,9 @@ def reencoding_store(round_keys: Callable, round_values: Callable):
     return store
 
 
-def block_round(codec_type: type) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def block_round(
+    codec_type: Callable[[int, int], BlockKeyCodec],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``round_keys`` for ``reencoding_store``: blocks through an engine block-key codec (``codec_type(head_dim,
     block_size)``) and back."""
 
@@ -143,10 +147,18 @@ def block_round(codec_type: type) -> Callable[[torch.Tensor, torch.Tensor], torc
     return round_keys
 
 
+def pool_int4_keys(head_dim: int, block_size: int) -> BlockKeyCodec:
+    """The int4 pool's key codec (``KVFormat("int4")``: per channel of a block, a quarter of its channels at 8 bits)."""
+    codec = KVFormat("int4", head_dim, block_size, torch.float32).k_codec
+    assert isinstance(codec, BlockKeyCodec)
+    return codec
+
+
 def engine_store(group: int):
     """The engine's int4 (keys per channel of a block, re-encoded as it fills) with values in groups of ``group``
     (0: values exact, the keys' share alone)."""
-    return reencoding_store(block_round(ChannelKeyCodec), partial(_per_group, group=group) if group else (lambda v: v))
+    values = partial(_per_group, group=group) if group else (lambda v: v)
+    return reencoding_store(block_round(pool_int4_keys), values)
 
 
 def token_group_round(group: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from confkv.kv.block_keys import ChannelKeyCodec
@@ -27,8 +28,9 @@ def test_engine_mode_is_the_engines_int4_and_values_exact_cost_less() -> None:
 
 
 def test_finer_key_modes_reduce_to_the_engines_keys_and_round_closer() -> None:
-    """Groups of a whole block and no channel at 8 bits are the engine's int4 keys, to the bit; a finer grid of
-    either kind rounds closer; and the modes run, values exact or grouped."""
+    """Groups of a whole block and no channel at 8 bits are the engine's int4 keys before its outlier channels, to the
+    bit, and a quarter of the channels at 8 bits are its keys now (within float32 rounding: the two sum the nibbles
+    in another order); a finer grid of either kind rounds closer; and the modes run, values exact or grouped."""
     mod = bench_script("int4_ablation")
     x = torch.randn(3, 16, 2, 64, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 8, 64)
     filled = torch.tensor([16, 5, 0])
@@ -42,6 +44,9 @@ def test_finer_key_modes_reduce_to_the_engines_keys_and_round_closer() -> None:
 
     assert err(mod.token_group_round(8)(x, filled)) < err(engine)
     assert err(mod.outlier_channel_round(8)(x, filled)) < err(engine)
-    out = _run("int4_ablation.py", "--modes", "engine_vg0,engine_kg16,engine_kt0,engine_kg8,engine_kt8_vg32")
-    assert out["engine_kg16_ppl"] == out["engine_vg0_ppl"] == out["engine_kt0_ppl"]
-    assert out["engine_kg8_ppl"] != out["engine_vg0_ppl"] and "engine_kt8_vg32_ppl" in out
+    pool_keys = mod.block_round(mod.pool_int4_keys)(x, filled)  # the pool's int4: a quarter of channels at 8 bits
+    assert (pool_keys - mod.outlier_channel_round(16)(x, filled)).abs().mul(real).max() < 1e-4
+    out = _run("int4_ablation.py", "--modes", "engine_vg0,engine_kg16,engine_kt0,engine_kt4,engine_kg8,engine_kt2_vg32")
+    assert out["engine_kg16_ppl"] == out["engine_kt0_ppl"] != out["engine_vg0_ppl"]
+    assert out["engine_vg0_ppl"] == pytest.approx(out["engine_kt4_ppl"], rel=1e-5)  # tiny-random: head_dim 16
+    assert out["engine_kg8_ppl"] != out["engine_kt0_ppl"] and "engine_kt2_vg32_ppl" in out

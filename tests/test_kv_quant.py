@@ -74,9 +74,10 @@ def test_pool_bytes_buy_more_tokens_and_blocks_move_as_stored(name: str) -> None
     geometry = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
     per_fp32 = BlockPool.bytes_per_block_for(**geometry, dtype=torch.float32)
     per_q = BlockPool.bytes_per_block_for(**geometry, dtype=torch.float32, kv_cache_dtype=name)
-    # int4: a key row is 32 bytes of data and 16 of its block's per-channel grid, a value row 32 and 4 per 32 channels;
-    # fp8: a key row is 66 bytes and 4 of its block's mean per channel (one e4m3 byte a channel over 16 rows)
-    ratio = {"int8": 256 / 66, "fp8": 512 / (70 + 66), "int4": 512 / (48 + 40)}[name]
+    # int4: a key row is 32 bytes of data, 8 of its 16 outlier channels' low nibbles and 17 of its block's
+    # per-channel grid and outlier indices, a value row 32 and 4 per 32 channels; fp8: a key row is 66 bytes and 4 of
+    # its block's mean per channel (one e4m3 byte a channel over 16 rows)
+    ratio = {"int8": 256 / 66, "fp8": 512 / (70 + 66), "int4": 512 / (57 + 40)}[name]
     assert per_fp32 / per_q == pytest.approx(ratio)
     budget = 40 * per_fp32
     pool = BlockPool(**geometry, num_blocks=budget // per_q, dtype=torch.float32, device="cpu", kv_cache_dtype=name)
@@ -393,7 +394,7 @@ def test_a_partly_filled_block_converted_to_int4_keys_keeps_its_grid_over_writte
     auto, int4 = (KVFormat(name, 64, 16, torch.float32) for name in ("auto", "int4"))
     filled = torch.tensor([5])
     k, _ = auto.convert_to(int4, x, x, filled)
-    assert torch.equal(k, ChannelKeyCodec(64, 16).encode(x, filled))
+    assert torch.equal(k, ChannelKeyCodec(64, 16, outliers=16).encode(x, filled))
     got, part = int4.decode_k(k, torch.float32)[0, :5], x[0, :5]
     assert bool(((got - part).abs() <= (part.amax(0) - part.amin(0)) * (0.5 / 15 + 2e-3) + 1e-6).all())
 

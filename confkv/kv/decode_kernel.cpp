@@ -15,8 +15,11 @@
 //     spread over its bs rows in order (zeros after the D bytes).
 //   int4 values: D/G groups of [G/2 bytes, two codes each, first in the low nibble | f16 scale | f16 zero point],
 //     G = min(32, D).
-//   int4 keys (per channel within a block): [D/2 bytes of codes | 4D/bs bytes], the block's grid (f16 scale[D] then
-//     f16 zero point[D], per KV head) spread over its bs rows in order.
+//   int4 keys (per channel within a block): [D/2 bytes of codes | K/2 bytes | ceil((4D+K)/bs) bytes], the block's
+//     grid (f16 scale[D] then f16 zero point[D], then its K outlier channels' indices, a byte each, per KV head)
+//     spread over its bs rows in order (zeros after). An outlier channel's code among the D is the high nibble of
+//     its 8-bit code and its scale 16 of its steps; the low nibbles are the K/2 bytes, in the indices' order, the
+//     first in the low nibble; their term (q*s/16) . low is added to the score.
 // int4 codes are read de-interleaved (the low nibbles of a run of bytes are the even channels, the high ones the odd
 // channels), so the query (keys) and the accumulator (values) are kept in that order and re-interleaved at the end.
 //
@@ -194,7 +197,8 @@ inline float exp_shifted(float* p, int64_t n, float m) {
 // against.
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const at::Tensor& v, const at::Tensor& blocks,
                             const at::Tensor& valid, const at::Tensor& q, double scaling, int64_t format,
-                            int64_t block_size, const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& arena) {
+                            int64_t block_size, int64_t outliers, const at::Tensor& wk, const at::Tensor& wv,
+                            const at::Tensor& arena) {
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && blocks.is_contiguous() && valid.is_contiguous() &&
                   q.is_contiguous(),
               "decode kernel: inputs must be contiguous");
@@ -206,10 +210,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
   const int64_t slots = k.size(0);
   TORCH_CHECK(valid.size(1) == mb * bs && k.size(1) == kvh && v.size(1) == kvh, "decode kernel: shapes disagree");
   const int64_t grp = d < 32 ? d : 32;  // int4 values' group
-  const int64_t ngrp = d / grp, grp_bytes = grp / 2 + 4, share = 4 * d / bs, mean_share = (d + bs - 1) / bs;
+  const int64_t ko = outliers;  // int4 keys' outlier channels per block
+  const int64_t ngrp = d / grp, grp_bytes = grp / 2 + 4, share = (4 * d + ko + bs - 1) / bs;
+  const int64_t mean_share = (d + bs - 1) / bs;
   if (format == INT4) {
-    TORCH_CHECK(d % 2 == 0 && d % grp == 0 && v_row == ngrp * grp_bytes && k_row == d / 2 + share &&
-                    (4 * d) % bs == 0,
+    TORCH_CHECK(d % 2 == 0 && d % grp == 0 && v_row == ngrp * grp_bytes && k_row == d / 2 + ko / 2 + share &&
+                    (4 * d) % bs == 0 && ko % 2 == 0 && ko >= 0 && ko <= d && d <= 256,
                 "decode kernel: not the int4 pool layout");
   } else if (format == FP8) {
     TORCH_CHECK(k_row == d + 2 + mean_share && v_row == d + 2,
@@ -217,6 +223,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
   } else {
     TORCH_CHECK(k_row == d + 2 && v_row == d + 2, "decode kernel: not an int8 pool layout");
   }
+  TORCH_CHECK(format == INT4 || ko == 0, "decode kernel: outlier channels are an int4 keys' layout");
   const bool fp8 = format == FP8;
   // fp8 codes come out as their value times 2^-8 (e4m3_half_bits), so their scales carry the 2^8
   const float code_unit = fp8 ? 256.0f : 1.0f;
@@ -259,7 +266,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
     std::vector<float> scores(g * keys), qs(g * d), acc(g * d), row(d), grid(2 * d), bias(g), lo_acc(g * ngrp), inv(g);
     // the window's rows, in channel order: the scaled query (int4's qs is de-interleaved) and the values' sum
     std::vector<float> qn(windowed ? g * d : 0), wacc(windowed ? g * d : 0);
-    std::vector<uint8_t> grid_bytes(std::max(4 * d, bs * mean_share));
+    std::vector<uint8_t> grid_bytes(std::max(bs * share, bs * mean_share));
+    // int4 keys' outliers: the low nibbles of a row ([even | odd] positions) and q*s/16 of each query in that order
+    std::vector<float> fine(ko), qo(g * ko);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / kvh, h = item % kvh;
       const float* qi = qp + item * g * d;
@@ -294,7 +303,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
         if (format == INT4) {
           // the block's grid for this head, gathered from its rows; folded into the query: (q*s) . n + q . lo
           for (int64_t t = 0; t < bs; ++t) {
-            std::memcpy(grid_bytes.data() + t * share, kp + ((base + t) * kvh + h) * k_row + d / 2, share);
+            std::memcpy(grid_bytes.data() + t * share, kp + ((base + t) * kvh + h) * k_row + d / 2 + ko / 2, share);
           }
           for (int64_t c = 0; c < 2 * d; ++c) grid[c] = half_at(grid_bytes.data() + 2 * c);
           for (int64_t j = 0; j < g; ++j) {
@@ -306,11 +315,22 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
               b += qs[j * d + to] * grid[d + c];
             }
             bias[j] = b;
+            for (int64_t m = 0; m < ko; ++m) {
+              const int64_t c = grid_bytes[4 * d + m];
+              const int64_t to = c % 2 ? d / 2 + c / 2 : c / 2;
+              qo[j * ko + (m % 2 ? ko / 2 + m / 2 : m / 2)] = qs[j * d + to] * grid[c] * 0.0625f;
+            }
           }
           for (int64_t t = 0; t < bs; ++t) {
             if (!okb[t]) continue;
-            nibbles(kp + ((base + t) * kvh + h) * k_row, d / 2, row.data(), row.data() + d / 2);
-            for (int64_t j = 0; j < g; ++j) scores[j * keys + jb * bs + t] = dot(acc.data() + j * d, row.data(), d) + bias[j];
+            const uint8_t* r = kp + ((base + t) * kvh + h) * k_row;
+            nibbles(r, d / 2, row.data(), row.data() + d / 2);
+            if (ko) nibbles(r + d / 2, ko / 2, fine.data(), fine.data() + ko / 2);
+            for (int64_t j = 0; j < g; ++j) {
+              float sc = dot(acc.data() + j * d, row.data(), d) + bias[j];
+              if (ko) sc += dot(qo.data() + j * ko, fine.data(), ko);
+              scores[j * keys + jb * bs + t] = sc;
+            }
           }
         } else {
           if (fp8) {  // the block's mean key, gathered from its rows; its score term q . mean once per query

@@ -7,13 +7,14 @@ confidence) thus decides which blocks keep the pool's precision, not which are a
 (the block is back at full precision); so does the end of the sequence. Copies are not dropped when the host tier
 drops the full-precision block: they are then all that is left.
 
-``int4`` copies are in the pool's own int4 layout (``confkv/kv/block_keys.py``, KIVI): keys per channel within the block
+``int4`` copies are in KIVI's layout (``confkv/kv/block_keys.py``): keys per channel within the block
 (``ChannelKeyCodec``; a demoted copy is a whole block, so its grid spans all its tokens) and values per token in
-groups of 32 channels (``GroupedCodec``). One int4 grid per row for keys and values alike, the layout used before
-(2026-12-07, eighth session), costs +16% perplexity on smollm2 with every token in it against +1.24% for this one
-(docs/kv-dtypes.md). ``int2`` copies are KIVI's 2-bit layout, the same two codecs at ``bits=2``: keys per channel
-within the block, values per token in groups of ``INT2_VALUE_GROUP`` channels (until the ninth session, 2026-12-07,
-one int2 grid a row for keys and values alike).
+groups of 32 channels (``GroupedCodec``), the pool's int4 layout before it kept a quarter of each block's key
+channels at 8 bits (fifteenth session; demotion with those has not been measured). One int4 grid per row for keys
+and values alike, the layout used before (2026-12-07, eighth session), costs +16% perplexity on smollm2 with every
+token in it against +1.24% for this one (docs/kv-dtypes.md). ``int2`` copies are KIVI's 2-bit layout, the same two
+codecs at ``bits=2``: keys per channel within the block, values per token in groups of ``INT2_VALUE_GROUP`` channels
+(until the ninth session, 2026-12-07, one int2 grid a row for keys and values alike).
 
 The copies live outside the preallocated pool, one small tensor per block (at head_dim 64 and block 16, a token's K
 and V rows in one layer and KV head: ``int4`` 48 + 40 = 88 bytes, ``int2`` 32 + 32 = 64, against 512 in float32;
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from confkv.kv.block_keys import ChannelKeyCodec
-from confkv.kv.kv_format import KVFormat
 from confkv.kv.quant import GroupedCodec, KVCodec
 
 BlockKey = tuple[int, int]  # (sequence id, logical block index)
@@ -63,10 +63,9 @@ class DemoteFormat:
         self.block_size = block_size
         self.k_codec: ChannelKeyCodec
         self.v_codec: KVCodec
-        if name == "int4":  # the pool's own int4 codecs, taken from its format so the two layouts cannot drift
-            pool_int4 = KVFormat("int4", head_dim, block_size, torch.float32)
-            assert isinstance(pool_int4.k_codec, ChannelKeyCodec) and pool_int4.v_codec is not None
-            self.k_codec, self.v_codec = pool_int4.k_codec, pool_int4.v_codec
+        if name == "int4":  # KIVI's layout: the pool's int4 values, its keys without the 8-bit outlier channels
+            self.k_codec = ChannelKeyCodec(head_dim, block_size)
+            self.v_codec = GroupedCodec()
         elif name == "int2":  # KIVI's 2-bit layout: the same two codecs at two bits
             self.k_codec = ChannelKeyCodec(head_dim, block_size, bits=2)
             self.v_codec = GroupedCodec(bits=2, group=INT2_VALUE_GROUP)

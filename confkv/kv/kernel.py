@@ -77,6 +77,12 @@ def _format(pool: BlockPool) -> int | None:
     return None
 
 
+def _outliers(pool: BlockPool) -> int:
+    """int4 keys' outlier channels per block (``ChannelKeyCodec.outliers``); 0 for the other formats."""
+    k = pool.fmt.k_codec
+    return k.outliers if isinstance(k, ChannelKeyCodec) else 0
+
+
 def supported(pool: BlockPool) -> bool:
     """Whether the kernel reads this pool: int8, fp8 or int4 on the CPU (on a GPU the torch path stays), without a
     float window or with a float32 one (the kernel reads the arena's rows as float32), and the build has not failed
@@ -172,7 +178,7 @@ def decode_attention_lse(
         arena = _NO_INDEX
     out, lse = mod.decode_attention(pool.k[layer], pool.v[layer], blocks.to(torch.long).contiguous(),
                                     valid.to(torch.bool).contiguous(), qg.to(torch.float32).contiguous(),
-                                    float(scaling), fmt, pool.block_size, wk, wv, arena)  # fmt: skip
+                                    float(scaling), fmt, pool.block_size, _outliers(pool), wk, wv, arena)  # fmt: skip
     return out.to(qg.dtype), lse
 
 

@@ -30,7 +30,7 @@ class KVFormat:
             self.v_codec.encode(torch.zeros(1, head_dim))
         self.k_codec: KVCodec | BlockKeyCodec | None = self.v_codec
         if kv_cache_dtype == "int4":
-            self.k_codec = ChannelKeyCodec(head_dim, block_size)
+            self.k_codec = ChannelKeyCodec(head_dim, block_size, outliers=ChannelKeyCodec.outliers_for(head_dim))
         elif kv_cache_dtype == "fp8":
             self.k_codec = Fp8KeyCodec(head_dim, block_size)
         #: The dtype of stored rows: bytes for a quantised format.
@@ -44,7 +44,7 @@ class KVFormat:
 
     @property
     def record_dtype(self) -> str:
-        """``"float32"`` (torch's spelling of the model's dtype) or ``"kv-int8"``, ``"kv-fp8m"``, ``"kv-int4c"``."""
+        """``"float32"`` (torch's spelling of the model's dtype) or ``"kv-int8"``, ``"kv-fp8m"``, ``"kv-int4o"``."""
         return str(self.compute_dtype).removeprefix("torch.") if self.v_codec is None else RECORD_DTYPES[self.name]
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int) -> int:
@@ -91,10 +91,11 @@ class KVFormat:
 
 
 _CODECS: dict[str, type[KVCodec]] = {"int8": Int8Codec, "fp8": Fp8Codec, "int4": GroupedCodec}
-#: A session record's dtype for each quantised ``kv_cache_dtype``. int4 is ``kv-int4c`` (keys per channel) and fp8
-#: ``kv-fp8m`` (keys less their block's e4m3 mean per channel): the earlier rows of each, recorded as ``kv-int4``,
-#: ``kv-fp8`` and ``kv-fp8c`` (a float16 mean), are foreign to them.
-RECORD_DTYPES: dict[str, str] = {"int8": "kv-int8", "fp8": "kv-fp8m", "int4": "kv-int4c"}
+#: A session record's dtype for each quantised ``kv_cache_dtype``. int4 is ``kv-int4o`` (keys per channel, a quarter
+#: of a block's channels at 8 bits) and fp8 ``kv-fp8m`` (keys less their block's e4m3 mean per channel): the earlier
+#: rows of each, recorded as ``kv-int4``, ``kv-int4c`` (keys per channel, all at 4 bits), ``kv-fp8`` and ``kv-fp8c``
+#: (a float16 mean), are foreign to them.
+RECORD_DTYPES: dict[str, str] = {"int8": "kv-int8", "fp8": "kv-fp8m", "int4": "kv-int4o"}
 
 
 def codec_for(kv_cache_dtype: str) -> KVCodec | None:

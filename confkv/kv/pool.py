@@ -202,7 +202,7 @@ class BlockPool:
     @property
     def kv_format(self) -> str:
         """What a block's stored rows are, as session records name it: the model's dtype as torch spells it
-        (``"float32"``) or ``"kv-int8"``, ``"kv-fp8m"``, ``"kv-int4c"``; rows of one format mean nothing in another."""
+        (``"float32"``) or ``"kv-int8"``, ``"kv-fp8m"``, ``"kv-int4o"``; rows of one format mean nothing in another."""
         return self.fmt.record_dtype
 
     @property
