@@ -6,7 +6,7 @@
 The repository's README (repeated if short) is tokenised and run through the model once with Hugging Face's cache;
 its keys (after RoPE, as the engine's pool stores them) and values are cut into blocks of ``--block-size`` and
 encoded as a ``SessionRecord`` in each KV dtype (float32 as computed; bfloat16 and float16 cast from it; and the
-packed rows a pool of ``kv_cache_dtype`` int8, fp8 or int4 holds, records ``kv-int8``, ``kv-fp8m``, ``kv-int4c``) at
+packed rows a pool of ``kv_cache_dtype`` int8, fp8 or int4 holds, records ``kv-int8``, ``kv-fp8m``, ``kv-int4o``) at
 zstd levels 1, 3 and 9. Scores are uniform random float32 (attention sums have random-looking mantissas too; 4 bytes a
 token either way). Reported per dtype and level: ratio = safetensors bytes / zstd payload bytes, the record's size
 over the raw K+V bytes, its bytes, and encode/decode time.

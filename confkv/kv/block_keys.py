@@ -110,26 +110,27 @@ class ChannelKeyCodec(BlockKeyCodec):
     def _grid(
         self, x: torch.Tensor, filled: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Scale, zero point ``[..., 1, kvh, D]`` and outlier channels ``[..., 1, kvh, outliers]`` (ascending, or
+        """Scale, zero point ``[..., 1, kvh, D]`` and outlier channels ``[..., 1, kvh, outliers]`` (in no order, or
         None) of blocks ``x`` ``[..., bs, kvh, D]`` over their first ``filled`` rows (``[...]``, or all rows). An
         outlier channel's scale is 16 of its steps."""
         xf = x.float()
-        lo_in, hi_in, sq = xf, xf, xf.square()
+        lo_in, hi_in, written = xf, xf, xf
         if filled is not None:
-            real = self._real(x, filled)
-            lo_in = xf.masked_fill(~real, float("inf"))
-            hi_in = xf.masked_fill(~real, float("-inf"))
-            sq = sq * real
+            unwritten = ~self._real(x, filled)
+            lo_in = xf.masked_fill(unwritten, float("inf"))
+            hi_in = xf.masked_fill(unwritten, float("-inf"))
+            written = xf.masked_fill(unwritten, 0.0) if self.outliers else xf
         lo = lo_in.amin(-3, keepdim=True)
         hi = hi_in.amax(-3, keepdim=True)
-        empty = ~torch.isfinite(lo) & ~torch.isfinite(hi) & (lo > hi)  # no row yet: a zero grid
-        lo = lo.masked_fill(empty, 0.0).to(_SCALE).float()
-        span = hi.masked_fill(empty, 0.0) - lo
+        empty = lo > hi  # no row yet (inf > -inf): a zero grid
+        lo = lo.masked_fill_(empty, 0.0).to(_SCALE).float()
+        span = hi.masked_fill_(empty, 0.0).sub_(lo)
         if not self.outliers:
-            return (span / self._levels).to(_SCALE).float(), lo, None
-        top = sq.sum(-3, keepdim=True).topk(self.outliers, dim=-1).indices.sort(dim=-1).values
+            return span.div_(self._levels).to(_SCALE).float(), lo, None
+        energy = (written * written).sum(-3, keepdim=True)
+        top = energy.topk(self.outliers, dim=-1, sorted=False).indices
         levels = torch.full_like(span, float(self._levels)).scatter_(-1, top, 255.0 / 16)
-        return (span / levels).to(_SCALE).float(), lo, top
+        return span.div_(levels).to(_SCALE).float(), lo, top
 
     def encode(
         self, x: torch.Tensor, filled: torch.Tensor | None = None, full: torch.Tensor | None = None

@@ -263,12 +263,14 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
   }
 
   at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(g * keys), qs(g * d), acc(g * d), row(d), grid(2 * d), bias(g), lo_acc(g * ngrp), inv(g);
+    std::vector<float> scores(g * keys), qs(g * d), acc(g * d), row(d + ko), grid(2 * d), bias(g), lo_acc(g * ngrp);
+    std::vector<float> inv(g);
     // the window's rows, in channel order: the scaled query (int4's qs is de-interleaved) and the values' sum
     std::vector<float> qn(windowed ? g * d : 0), wacc(windowed ? g * d : 0);
     std::vector<uint8_t> grid_bytes(std::max(bs * share, bs * mean_share));
-    // int4 keys' outliers: the low nibbles of a row ([even | odd] positions) and q*s/16 of each query in that order
-    std::vector<float> fine(ko), qo(g * ko);
+    // int4 keys: each query times the block's scales [de-interleaved codes | outliers' low nibbles, even | odd], so
+    // that a row's score is one dot over its D + K nibbles
+    std::vector<float> qk(format == INT4 ? g * (d + ko) : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / kvh, h = item % kvh;
       const float* qi = qp + item * g * d;
@@ -308,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
           for (int64_t c = 0; c < 2 * d; ++c) grid[c] = half_at(grid_bytes.data() + 2 * c);
           for (int64_t j = 0; j < g; ++j) {
             float b = 0.f;
-            float* qsj = acc.data() + j * d;  // q * s for this block, de-interleaved like the codes
+            float* qsj = qk.data() + j * (d + ko);  // q * s for this block, de-interleaved like the codes
             for (int64_t c = 0; c < d; ++c) {
               const int64_t to = c % 2 ? d / 2 + c / 2 : c / 2;
               qsj[to] = qs[j * d + to] * grid[c];
@@ -318,18 +320,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
             for (int64_t m = 0; m < ko; ++m) {
               const int64_t c = grid_bytes[4 * d + m];
               const int64_t to = c % 2 ? d / 2 + c / 2 : c / 2;
-              qo[j * ko + (m % 2 ? ko / 2 + m / 2 : m / 2)] = qs[j * d + to] * grid[c] * 0.0625f;
+              qsj[d + (m % 2 ? ko / 2 + m / 2 : m / 2)] = qs[j * d + to] * grid[c] * 0.0625f;
             }
           }
           for (int64_t t = 0; t < bs; ++t) {
             if (!okb[t]) continue;
             const uint8_t* r = kp + ((base + t) * kvh + h) * k_row;
             nibbles(r, d / 2, row.data(), row.data() + d / 2);
-            if (ko) nibbles(r + d / 2, ko / 2, fine.data(), fine.data() + ko / 2);
+            if (ko) nibbles(r + d / 2, ko / 2, row.data() + d, row.data() + d + ko / 2);
             for (int64_t j = 0; j < g; ++j) {
-              float sc = dot(acc.data() + j * d, row.data(), d) + bias[j];
-              if (ko) sc += dot(qo.data() + j * ko, fine.data(), ko);
-              scores[j * keys + jb * bs + t] = sc;
+              scores[j * keys + jb * bs + t] = dot(qk.data() + j * (d + ko), row.data(), d + ko) + bias[j];
             }
           }
         } else {

@@ -10,17 +10,18 @@ dtype    data                                         scale bytes               
 =======  ===========================================  ==============================  =====================
 int8     ``round(x / s)`` in -127..127, one a byte     ``s = absmax / 127``, float16   66 (fp32: 256)
 fp8      ``x / s`` as ``float8_e4m3fn``               ``s >= absmax / 448``, float16  V 66, K 70 (block 16)
-int4     ``round((x - m) / s)`` in 0..15, two a byte  ``s = (max - m) / 15``, ``m``   V 40, K 48 (block 16)
+int4     ``round((x - m) / s)`` in 0..15, two a byte  ``s = (max - m) / 15``, ``m``   V 40, K 57 (block 16)
 int2     ``round((x - m) / s)`` in 0..3, four a byte  ``s = (max - m) / 3``, ``m``    V 32, K 32 (demoted only)
 =======  ===========================================  ==============================  =====================
 
 The pool's int4 is KIVI's layout: values per token in groups of 32 channels (``GroupedCodec``, a grid per group),
 keys per channel within a block (``ChannelKeyCodec``, a grid per channel over the block's tokens, spread over its
-rows). The pool's fp8 keys are their block's mean per channel (e4m3, spread the same way) plus an fp8 row of what is
-left, its scale searched once the block is full (``Fp8KeyCodec``); its values are ``Fp8Codec`` rows. The two key
-codecs, coded a block at a time, are in ``confkv/kv/block_keys.py``.
-Demoted blocks (``confkv/kv/demoted.py``) use the int4 layout at int4 and at int2 (``bits=2``: four levels, KIVI's
-2-bit layout, values in groups of 16); int2 is never the pool's own dtype.
+rows; a quarter of the block's channels, those of most energy, at 8 bits). The pool's fp8 keys are their block's
+mean per channel (e4m3, spread the same way) plus an fp8 row of what is left, its scale searched once the block is
+full (``Fp8KeyCodec``); its values are ``Fp8Codec`` rows. The two key codecs, coded a block at a time, are in
+``confkv/kv/block_keys.py``. Demoted blocks (``confkv/kv/demoted.py``) use KIVI's int4 layout (every key channel at
+4 bits) at int4 and at int2 (``bits=2``: four levels, KIVI's 2-bit layout, values in groups of 16); int2 is never
+the pool's own dtype.
 
 int4 is asymmetric (a zero point ``m``, the minimum): at 16 levels a symmetric grid wastes one level and, on a row
 whose values lean to one side, half of the others. Scales are kept in float16, rounded before the data are
