@@ -318,7 +318,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& k, const a
             }
             bias[j] = b;
             for (int64_t m = 0; m < ko; ++m) {
-              const int64_t c = grid_bytes[4 * d + m];
+              const int64_t c = std::min<int64_t>(grid_bytes[4 * d + m], d - 1);  // a corrupt index reads in bounds
               const int64_t to = c % 2 ? d / 2 + c / 2 : c / 2;
               qsj[d + (m % 2 ? ko / 2 + m / 2 : m / 2)] = qs[j * d + to] * grid[c] * 0.0625f;
             }
