@@ -134,9 +134,11 @@ def reencoding_store(round_keys: Callable, round_values: Callable):
     return store
 
 
-def block_round(
-    codec_type: Callable[[int, int], BlockKeyCodec],
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+#: A ``round_keys`` for ``reencoding_store``: blocks ``[nb, bs, kvh, D]`` and their filled rows -> rounded keys.
+RoundKeys = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def block_round(codec_type: Callable[[int, int], BlockKeyCodec]) -> RoundKeys:
     """``round_keys`` for ``reencoding_store``: blocks through an engine block-key codec (``codec_type(head_dim,
     block_size)``) and back."""
 
@@ -157,11 +159,15 @@ def pool_int4_keys(head_dim: int, block_size: int) -> BlockKeyCodec:
 def engine_store(group: int):
     """The engine's int4 (keys per channel of a block, re-encoded as it fills) with values in groups of ``group``
     (0: values exact, the keys' share alone)."""
-    values = partial(_per_group, group=group) if group else (lambda v: v)
-    return reencoding_store(block_round(pool_int4_keys), values)
+    return reencoding_store(block_round(pool_int4_keys), _round_values(group))
 
 
-def token_group_round(group: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _round_values(group: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Values per token in groups of ``group`` channels, or exact (0)."""
+    return partial(_per_group, group=group) if group else (lambda v: v)
+
+
+def token_group_round(group: int) -> RoundKeys:
     """``round_keys``: the engine's int4 keys per channel, but over each run of ``group`` tokens of a block instead
     of its whole ``block_size`` (a grid per channel and group: ``4 * head_dim / group`` bytes a row)."""
 
@@ -176,25 +182,10 @@ def token_group_round(group: int) -> Callable[[torch.Tensor, torch.Tensor], torc
     return round_keys
 
 
-def outlier_channel_round(top: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``round_keys``: keys per channel of a block, as the engine's int4, except that each block's ``top`` channels
-    (per KV head) of largest mean square over its written rows get a grid of 255 levels instead of 15 (8 bits:
-    ``top / 2`` more data bytes a row, plus the channels' indices per block)."""
-
-    def round_keys(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        real = (torch.arange(x.shape[1], device=x.device) < filled[:, None])[:, :, None, None]
-        energy = (xf.square() * real).sum(1, keepdim=True)
-        levels = torch.full_like(energy, 15.0).scatter_(-1, energy.topk(top, dim=-1).indices, 255.0)
-        lo = xf.masked_fill(~real, math.inf).amin(1, keepdim=True)
-        hi = xf.masked_fill(~real, -math.inf).amax(1, keepdim=True)
-        empty = ~torch.isfinite(lo)
-        lo, hi = lo.masked_fill(empty, 0.0).half().float(), hi.masked_fill(empty, 0.0)
-        s = ((hi - lo) / levels).half().float()
-        q = ((xf - lo) / s.clamp_min(torch.finfo(torch.float32).tiny)).round().clamp(min=0).minimum(levels)
-        return q * s + lo
-
-    return round_keys
+def outlier_channel_round(top: int) -> RoundKeys:
+    """``round_keys``: keys per channel of a block, each block's ``top`` channels (per KV head) of most energy over
+    its written rows at 8 bits (``ChannelKeyCodec(outliers=top)``; the pool's int4 takes a quarter of head_dim)."""
+    return block_round(lambda head_dim, block_size: ChannelKeyCodec(head_dim, block_size, outliers=top))
 
 
 def finer_key_store(mode: str):
@@ -204,7 +195,7 @@ def finer_key_store(mode: str):
     keys, _, values = mode.removeprefix("engine_").partition("_vg")
     n = int(keys[2:])
     round_keys = token_group_round(n) if keys.startswith("kg") else outlier_channel_round(n)
-    return reencoding_store(round_keys, partial(_per_group, group=int(values)) if values else (lambda v: v))
+    return reencoding_store(round_keys, _round_values(int(values or 0)))
 
 
 def pooled(args, loaded, items) -> float:

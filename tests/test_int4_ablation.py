@@ -29,8 +29,8 @@ def test_engine_mode_is_the_engines_int4_and_values_exact_cost_less() -> None:
 
 def test_finer_key_modes_reduce_to_the_engines_keys_and_round_closer() -> None:
     """Groups of a whole block and no channel at 8 bits are the engine's int4 keys before its outlier channels, to the
-    bit, and a quarter of the channels at 8 bits are its keys now (within float32 rounding: the two sum the nibbles
-    in another order); a finer grid of either kind rounds closer; and the modes run, values exact or grouped."""
+    bit, and a quarter of the channels at 8 bits are its keys now; a finer grid of either kind rounds closer; and the
+    modes run, values exact or grouped."""
     mod = bench_script("int4_ablation")
     x = torch.randn(3, 16, 2, 64, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 8, 64)
     filled = torch.tensor([16, 5, 0])
